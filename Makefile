@@ -1,0 +1,28 @@
+# Two commands set everything up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+
+.PHONY: install serve test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/mlx-sidecar serve --preload $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+bench: install
+	$(VENV)/bin/mlx-sidecar bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
