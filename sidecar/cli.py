@@ -1,0 +1,91 @@
+"""`mlx-sidecar serve | generate | bench`: every Config field is a `serve` flag (--field-name)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from typing import Any, Sequence
+
+from sidecar.config import Config, ConfigError, from_env
+
+_HELP = {
+    "model": "builtin:tiny | builtin:tiny-qwen3 | builtin:small | path to an mlx-lm model directory",
+    "kv_dtype": "KV cache dtype: auto (the model's), float16, bfloat16, float32",
+    "device": "auto (GPU when Metal/CUDA is available), gpu, cpu",
+    "uds": "serve on this Unix socket (mode 0600) instead of TCP",
+    "auth_token_file": "file holding the bearer token required on /rpc/* (or MLX_SIDECAR_AUTH_TOKEN)",
+    "allow_insecure": "allow a non-loopback bind without an auth token",
+    "protect_metrics": "require the token on /metrics and /info too",
+    "preload": "run init_device .. compile_or_warm_up_model at start-up (the scheduler may still re-drive it)",
+    "lora_dir": "the only directory LoRA adapters may be loaded from",
+    "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
+}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    for f in fields(Config):
+        if f.name == "auth_token":  # secrets come from a file or the environment, never argv
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_ = _HELP.get(f.name, "")
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", default=None, help=help_)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=help_ or f"default {f.default!r}")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {
+        f.name: getattr(args, f.name) for f in fields(Config) if getattr(args, f.name, None) is not None
+    }
+    return from_env().replace(**overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-sidecar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the worker over HTTP")
+    add_config_flags(serve)
+
+    gen = sub.add_parser("generate", help="drive a running sidecar with the reference scheduler")
+    gen.add_argument("prompt")
+    gen.add_argument("--url", default="http://127.0.0.1:8000")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--auth-token-file", default=None)
+    gen.add_argument("--model", default=None, help="tokenizer source (default: the model the server reports)")
+
+    bench = sub.add_parser("bench", help="benchmark the sidecar against mlx-lm side by side")
+    bench.add_argument("--model", default="builtin:small")
+    bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--json", dest="json_path", default="bench-results/bench.json")
+    bench.add_argument("--plot", dest="plot_path", default="bench-results/throughput.png")
+    bench.add_argument("--home", default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        try:
+            cfg = config_from_args(args)
+        except ConfigError as e:
+            print(f"mlx-sidecar: {e}", file=sys.stderr)
+            return 2
+        from sidecar.server.app import serve
+
+        return serve(cfg)
+    if args.command == "generate":
+        from sidecar.scheduler.generate import generate_cli
+
+        return generate_cli(args)
+    from sidecar.bench import bench_cli
+
+    return bench_cli(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

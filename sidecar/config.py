@@ -1,0 +1,118 @@
+"""Every setting in one frozen dataclass; CLI flags and environment variables map onto it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Config:
+    # model
+    model: str = "builtin:tiny"
+    kv_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16 | float32
+    max_model_len: int = 0  # 0: from the model's config (max_position_embeddings), capped at 32768
+    seed: int = 0
+    # device and memory
+    device: str = "auto"  # auto | gpu | cpu
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    # the profile run and warm-up shapes (the scheduler's limits)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_logprobs: int = 20
+    # server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    uds: str | None = None
+    auth_token_file: str | None = None
+    auth_token: str | None = field(default=None, repr=False)  # from MLX_SIDECAR_AUTH_TOKEN
+    allow_insecure: bool = False
+    protect_metrics: bool = False
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_queue: int = 64
+    call_timeout: float = 600.0
+    shutdown_timeout: float = 30.0
+    preload: bool = False  # run the lifecycle to `ready` at start-up
+    lora_dir: str | None = None
+    log_level: str = "warning"
+    log_format: str = "text"  # text | json
+    home: str | None = None  # MLX_SIDECAR_HOME: where built-in models are generated
+
+    def replace(self, **overrides: Any) -> Config:
+        """A copy with overrides; unknown keys or wrong types raise ConfigError naming the key."""
+        known = {f.name: f for f in fields(self)}
+        clean: dict[str, Any] = {}
+        for key, value in overrides.items():
+            if key not in known:
+                raise ConfigError(key, f"unknown config key {key!r}")
+            clean[key] = _coerce(key, known[key].type, value)
+        cfg = dataclasses.replace(self, **clean)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        checks = [
+            ("block_size", 1 <= self.block_size <= 1024, "must be in [1, 1024]"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("max_logprobs", self.max_logprobs >= 0, "must be >= 0"),
+            ("max_model_len", self.max_model_len >= 0, "must be >= 0"),
+            ("kv_dtype", self.kv_dtype in ("auto", "float16", "bfloat16", "float32"), "auto|float16|bfloat16|float32"),
+            ("device", self.device in ("auto", "gpu", "cpu"), "must be auto, gpu or cpu"),
+            ("log_format", self.log_format in ("text", "json"), "must be text or json"),
+            ("max_queue", self.max_queue >= 1, "must be >= 1"),
+            ("call_timeout", self.call_timeout > 0, "must be > 0"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise ConfigError(key, f"{key} {why}, got {getattr(self, key)!r}")
+
+    def token(self) -> str | None:
+        """The bearer token, from the token file when one is configured."""
+        if self.auth_token_file:
+            with open(self.auth_token_file, encoding="utf-8") as f:
+                return f.read().strip() or None
+        return self.auth_token
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "str | None": str}
+
+
+def _coerce(key: str, type_name: Any, value: Any) -> Any:
+    want = _TYPES[str(type_name)]
+    if value is None and "None" in str(type_name):
+        return None
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if want is not bool and isinstance(value, bool) or not isinstance(value, want):
+        raise ConfigError(key, f"config key {key!r} must be {want.__name__}, got {type(value).__name__}")
+    return value
+
+
+def from_env(base: Config | None = None) -> Config:
+    """Apply MLX_SIDECAR_* environment variables (MLX_SIDECAR_PORT=9000, ...)."""
+    cfg = base or Config()
+    overrides: dict[str, Any] = {}
+    for f in fields(cfg):
+        raw = os.environ.get(f"MLX_SIDECAR_{f.name.upper()}")
+        if raw is None:
+            continue
+        want = _TYPES[str(f.type)]
+        if want is bool:
+            overrides[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                overrides[f.name] = want(raw)
+            except ValueError as e:
+                raise ConfigError(f.name, f"MLX_SIDECAR_{f.name.upper()}: {e}") from None
+    return cfg.replace(**overrides) if overrides else cfg

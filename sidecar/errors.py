@@ -1,0 +1,43 @@
+"""Errors that map onto the wire error envelope: {"error": {"type", "message", "field"}}."""
+
+from __future__ import annotations
+
+
+class SidecarError(Exception):
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, field: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.retry_after = retry_after
+
+    def to_wire(self) -> dict:
+        return {"error": {"type": self.type, "message": self.message, "field": self.field}}
+
+
+class ProtocolError(SidecarError):
+    """Malformed body, schema or semantic violation (the call changed nothing)."""
+
+    status = 400
+    type = "invalid_request"
+
+
+class StateError(SidecarError):
+    """The call is not allowed in the current lifecycle state."""
+
+    status = 409
+    type = "invalid_state"
+
+
+class Unavailable(SidecarError):
+    """Busy, sleeping, unhealthy or shutting down; retry later."""
+
+    status = 503
+    type = "unavailable"
+
+
+class NotSupported(SidecarError):
+    status = 501
+    type = "not_implemented"
