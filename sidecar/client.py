@@ -1,0 +1,167 @@
+"""RemoteWorker: the MLXWorker interface over HTTP (msgpack), for schedulers written in Python.
+
+Uses one persistent standard-library connection: the lowest per-call overhead we measured, and no
+dependency beyond msgpack. `http://host:port` and `unix:///path/to/socket` URLs are accepted.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+from typing import Any
+from urllib.parse import urlparse
+
+import msgpack
+
+from sidecar.errors import SidecarError
+from sidecar.protocol import LogprobsLists, ModelRunnerOutput
+
+MSGPACK = "application/msgpack"
+
+
+class RemoteError(SidecarError):
+    """An error envelope from the server; `status`, `type`, `message` and `field` as sent."""
+
+    def __init__(self, status: int, type_: str, message: str, field: str | None, retry_after: float | None = None):
+        super().__init__(message, field, retry_after)
+        self.status, self.type = status, type_
+
+    def __str__(self) -> str:
+        where = f" at {self.field}" if self.field else ""
+        return f"{self.status} {self.type}{where}: {self.message}"
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+class RemoteWorker:
+    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 600.0):
+        self.url, self.timeout = url, timeout
+        self._headers = {"content-type": MSGPACK, "accept": MSGPACK}
+        if token:
+            self._headers["authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
+        self.last_request_id: str | None = None
+
+    def __repr__(self) -> str:
+        return f"RemoteWorker({self.url!r})"
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            u = urlparse(self.url)
+            if u.scheme == "unix":
+                self._conn = _UnixConnection(u.path, self.timeout)
+            else:
+                self._conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        """POST /rpc/<method> with kwargs; returns the wire result or raises RemoteError."""
+        body = msgpack.packb(kwargs, use_bin_type=True)
+        for attempt in (0, 1):
+            conn = self._connection()
+            try:
+                conn.request("POST", f"/rpc/{method}", body=body, headers=self._headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                break
+            except (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest, BrokenPipeError):
+                # A kept-alive connection the server closed: reconnect once.
+                self.close()
+                if attempt:
+                    raise
+        self.last_request_id = resp.getheader("x-request-id")
+        payload = msgpack.unpackb(data, raw=False, strict_map_key=False) if data else {}
+        if resp.status != 200:
+            err = payload.get("error", {}) if isinstance(payload, dict) else {}
+            retry = resp.getheader("retry-after")
+            raise RemoteError(resp.status, err.get("type", "http_error"), err.get("message", data[:200].decode(errors="replace")),
+                              err.get("field"), float(retry) if retry else None)
+        return payload["result"]
+
+    # --- the MLXWorker interface --------------------------------------------------------------
+
+    def init_device(self, config: dict | None = None) -> None:
+        return self.call("init_device", **({"config": config} if config else {}))
+
+    def load_model(self) -> None:
+        return self.call("load_model")
+
+    def determine_available_memory(self) -> int:
+        return self.call("determine_available_memory")
+
+    def get_kv_cache_spec(self) -> dict[str, dict]:
+        return self.call("get_kv_cache_spec")
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self.call("get_cache_block_size_bytes")
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
+        return self.call("initialize_cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+
+    def initialize_from_config(self, kv_cache_config: dict) -> None:
+        return self.call("initialize_from_config", kv_cache_config=kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> float:
+        return self.call("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: dict) -> ModelRunnerOutput:
+        return output_from_wire(self.call("execute_model", scheduler_output=scheduler_output))
+
+    def check_health(self) -> None:
+        return self.call("check_health")
+
+    def get_model(self) -> dict:
+        return self.call("get_model")
+
+    def vocab_size(self) -> int:
+        return self.call("vocab_size")
+
+    def sleep(self, level: int = 1) -> None:
+        return self.call("sleep", level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        return self.call("wake_up", tags=tags)
+
+    def add_lora(self, lora_request: dict) -> bool:
+        return self.call("add_lora", lora_request=lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.call("remove_lora", lora_id=lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.call("pin_lora", lora_id=lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self.call("list_loras")
+
+    def profile(self, is_start: bool = True) -> None:
+        return self.call("profile", is_start=is_start)
+
+    def shutdown(self) -> None:
+        return self.call("shutdown")
+
+
+def output_from_wire(d: dict) -> ModelRunnerOutput:
+    def lists(x: dict | None) -> LogprobsLists | None:
+        return None if x is None else LogprobsLists(**x)
+
+    return ModelRunnerOutput(
+        req_ids=d["req_ids"], req_id_to_index=d["req_id_to_index"], sampled_token_ids=d["sampled_token_ids"],
+        logprobs=lists(d.get("logprobs")),
+        prompt_logprobs_dict={k: lists(v) for k, v in (d.get("prompt_logprobs_dict") or {}).items()},
+        num_nans_in_logits=d.get("num_nans_in_logits"),
+    )

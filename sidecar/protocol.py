@@ -1,0 +1,258 @@
+"""Wire types (vLLM v1 field names), strict decoding with field paths, and the body codecs.
+
+Decoding checks types and shapes only; the semantic checks that need worker state (known request
+ids, block ranges, token counts) live in runner/requests.py so both run before anything changes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import msgpack
+
+from sidecar.errors import ProtocolError
+from sidecar.runner.sampler import SamplingParams
+
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+JSON_TYPE = "application/json"
+MAX_DEPTH = 32
+MAX_CONTAINER_LEN = 4 * 1024 * 1024
+
+
+# --- codecs -------------------------------------------------------------------------------
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack ext type {code} is not allowed")
+
+
+def decode_body(body: bytes, content_type: str) -> dict:
+    """Decode a request body into a kwargs map (empty body means no kwargs)."""
+    if not body:
+        return {}
+    try:
+        if content_type in MSGPACK_TYPES:
+            value = msgpack.unpackb(
+                body, raw=False, strict_map_key=False, ext_hook=_no_ext, use_list=True,
+                max_str_len=len(body), max_bin_len=len(body), max_array_len=MAX_CONTAINER_LEN,
+                max_map_len=MAX_CONTAINER_LEN, max_ext_len=0,
+            )
+        else:
+            value = json.loads(body)
+    except ProtocolError:
+        raise
+    except (ValueError, msgpack.UnpackException, RecursionError) as e:
+        kind = "JSON" if content_type == JSON_TYPE else "msgpack"
+        raise ProtocolError(f"malformed {kind} body: {e}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(f"body must be a map of keyword arguments, got {type(value).__name__}")
+    _check_tree(value)
+    return value
+
+
+def _check_tree(root: Any) -> None:
+    # Iterative walk: no recursion limit to hit, and a depth bound the unpackers don't give us.
+    stack = [(root, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"nesting deeper than {MAX_DEPTH}", field=path or None)
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise ProtocolError(f"map keys must be strings, got {type(k).__name__}", field=path or None)
+                if isinstance(v, (dict, list)):
+                    stack.append((v, depth + 1, f"{path}.{k}" if path else str(k)))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                if isinstance(v, (dict, list)):
+                    stack.append((v, depth + 1, f"{path}[{i}]"))
+
+
+def encode_body(value: Any, use_msgpack: bool) -> bytes:
+    if use_msgpack:
+        return msgpack.packb(value, use_bin_type=True)
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+# --- field helpers ------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def get(d: dict, key: str, kind: type | tuple[type, ...], path: str = "", default: Any = _MISSING) -> Any:
+    """d[key] checked against `kind` (bool is not an int; int is accepted as float)."""
+    if key not in d or (d[key] is None and default is not _MISSING):
+        if default is _MISSING:
+            raise ProtocolError(f"missing required field {key!r}", field=_join(path, key))
+        return default
+    return check(d[key], kind, _join(path, key))
+
+
+def check(value: Any, kind: type | tuple[type, ...], path: str) -> Any:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    elif float in kinds and isinstance(value, int):
+        return float(value)
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        names = "|".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise ProtocolError(f"expected {names}, got {type(value).__name__}", field=path)
+    return value
+
+
+def int_list(value: Any, path: str) -> list[int]:
+    check(value, list, path)
+    for i, v in enumerate(value):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ProtocolError(f"expected int, got {type(v).__name__}", field=f"{path}[{i}]")
+    return value
+
+
+def list_of(value: Any, path: str, item: Callable[[Any, str], Any]) -> list:
+    check(value, list, path)
+    return [item(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+
+def block_groups(value: Any, path: str) -> list[list[int]]:
+    """block_ids: one list of block ids per KV cache group (a vLLM tuple of lists)."""
+    return list_of(value, path, int_list)
+
+
+# --- wire types -------------------------------------------------------------------------
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+    lora_request: dict | None = None
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+
+    @classmethod
+    def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
+        check(d, dict, "scheduler_output")
+        new_reqs = list_of(
+            get(d, "scheduled_new_reqs", list, default=[]), "scheduled_new_reqs",
+            lambda v, p: _new_request(v, p, vocab_size, max_logprobs),
+        )
+        cached = _cached_requests(get(d, "scheduled_cached_reqs", dict, default={}))
+        nst = get(d, "num_scheduled_tokens", dict)
+        for k, v in nst.items():
+            check(k, str, "num_scheduled_tokens")
+            check(v, int, f"num_scheduled_tokens.{k}")
+        return cls(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=nst,
+            total_num_scheduled_tokens=get(d, "total_num_scheduled_tokens", int),
+            finished_req_ids=list_of(get(d, "finished_req_ids", list, default=[]), "finished_req_ids", _str),
+            preempted_req_ids=list_of(get(d, "preempted_req_ids", list, default=[]), "preempted_req_ids", _str),
+        )
+
+
+def _str(v: Any, path: str) -> str:
+    return check(v, str, path)
+
+
+def _new_request(d: Any, path: str, vocab_size: int, max_logprobs: int) -> NewRequestData:
+    check(d, dict, path)
+    prompt = int_list(get(d, "prompt_token_ids", list, path), _join(path, "prompt_token_ids"))
+    if not prompt:
+        raise ProtocolError("prompt_token_ids must not be empty", field=_join(path, "prompt_token_ids"))
+    lora = get(d, "lora_request", (dict, type(None)), path, default=None)
+    return NewRequestData(
+        req_id=get(d, "req_id", str, path),
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams.from_wire(
+            get(d, "sampling_params", dict, path, default={}),
+            vocab_size=vocab_size, max_logprobs=max_logprobs, path=_join(path, "sampling_params"),
+        ),
+        block_ids=block_groups(get(d, "block_ids", list, path), _join(path, "block_ids")),
+        num_computed_tokens=get(d, "num_computed_tokens", int, path, default=0),
+        lora_request=lora,
+    )
+
+
+def _cached_requests(d: dict) -> CachedRequestData:
+    path = "scheduled_cached_reqs"
+    req_ids = list_of(get(d, "req_ids", list, path, default=[]), _join(path, "req_ids"), _str)
+    n = len(req_ids)
+
+    def per_req(key: str, item: Callable[[Any, str], Any], default: Any) -> list:
+        values = list_of(get(d, key, list, path, default=[default] * n), _join(path, key), item)
+        if len(values) != n:
+            raise ProtocolError(f"{key} has {len(values)} entries for {n} req_ids", field=_join(path, key))
+        return values
+
+    resumed = set(list_of(get(d, "resumed_req_ids", list, path, default=[]), _join(path, "resumed_req_ids"), _str))
+    # Older vLLM sends one bool per request instead of the id set.
+    flags = per_req("resumed_from_preemption", lambda v, p: check(v, bool, p), False)
+    resumed |= {rid for rid, f in zip(req_ids, flags) if f}
+    all_tokens = get(d, "all_token_ids", dict, path, default={})
+    for k, v in all_tokens.items():
+        int_list(v, f"{path}.all_token_ids.{k}")
+    return CachedRequestData(
+        req_ids=req_ids,
+        resumed_req_ids=resumed,
+        new_token_ids=per_req("new_token_ids", int_list, []),
+        new_block_ids=per_req("new_block_ids", lambda v, p: None if v is None else block_groups(v, p), None),
+        num_computed_tokens=per_req("num_computed_tokens", lambda v, p: check(v, int, p), 0),
+        all_token_ids=all_tokens,
+    )
+
+
+@dataclass
+class LogprobsLists:
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+    cu_num_generated_tokens: list[int] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
+    num_nans_in_logits: dict[str, int] | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

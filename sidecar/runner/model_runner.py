@@ -1,0 +1,202 @@
+"""The model runner: batch building, forward through the paged cache, sampling, output.
+
+A step's rows are split into decode rows (one token) and prefill chunks, each run as one padded
+batch, so a long chunk never pads 63 decodes up to its length. Only the positions whose logits are
+needed (each row's last, plus prompt-logprob positions) go through the final norm and LM head.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from sidecar.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from sidecar.runner.kv_cache import BatchLayout, KVPool, LayerSpec, PagedCache
+from sidecar.runner.requests import RequestState, Row, apply, plan_step
+from sidecar.runner.sampler import Sampler, SamplingRow, prompt_logprobs
+
+
+class _Selection:
+    index: mx.array | None = None
+
+
+def _select_before_norm(model: nn.Module) -> _Selection | None:
+    """Make the final norm keep only the selected flat positions (LM head cost ~ rows, not tokens).
+
+    Swaps the norm instance's class for a subclass, so parameter names stay unchanged. Models
+    without a `model.norm` fall back to slicing full logits.
+    """
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if not isinstance(norm, nn.Module):
+        return None
+    sel = _Selection()
+    base = type(norm)
+
+    def __call__(self: nn.Module, h: mx.array) -> mx.array:
+        if sel.index is not None:
+            h = h.reshape(-1, h.shape[-1])[sel.index][None]
+        return base.__call__(self, h)
+
+    norm.__class__ = type(f"Selecting{base.__name__}", (base,), {"__call__": __call__})
+    return sel
+
+
+@dataclass
+class StepStats:
+    num_rows: int = 0
+    num_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    first_token_latencies: tuple[float, ...] = ()
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, specs: Sequence[LayerSpec], *, vocab_size: int,
+                 eos_token_ids: Sequence[int], max_model_len: int, max_logprobs: int, seed: int = 0):
+        self.model = model
+        self.specs = list(specs)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.sampler = Sampler(vocab_size, eos_token_ids, seed)
+        self.requests: dict[str, RequestState] = {}
+        self.pool: KVPool | None = None
+        self.last_stats = StepStats()
+        self._selection = _select_before_norm(model)
+
+    # --- pool -------------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> None:
+        self.pool = None  # free the old pool before allocating the new one
+        self.requests.clear()
+        self.pool = KVPool(self.specs, num_blocks)
+
+    def free(self) -> None:
+        self.pool = None
+        self.requests.clear()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks if self.pool else 0
+
+    def blocks_in_use(self) -> int:
+        return len({b for s in self.requests.values() for b in s.block_ids})
+
+    # --- the step -------------------------------------------------------------------------
+
+    def decode(self, d: Any) -> SchedulerOutput:
+        return SchedulerOutput.from_wire(d, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.pool is not None, "the cache must be initialised first"
+        t0 = time.perf_counter()
+        plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+                         vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        # Snapshot what `apply` and sampling touch, so an internal error rolls the state back.
+        saved = dict(self.requests), {id(s): copy.copy(s) for s in self.requests.values()}
+        for s in self.requests.values():
+            saved[1][id(s)].output_token_ids = list(s.output_token_ids)
+        apply(self.requests, plan)
+        try:
+            result = self._run(plan.rows)
+        except BaseException:
+            self.requests = saved[0]
+            for s in self.requests.values():
+                s.__dict__.update(saved[1][id(s)].__dict__)
+            raise
+        self.last_stats.seconds = time.perf_counter() - t0
+        return result
+
+    def _run(self, rows: list[Row]) -> ModelRunnerOutput:
+        if not rows:
+            self.last_stats = StepStats()
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
+        prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
+        last: list[mx.array | None] = [None] * len(rows)
+        prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
+        for group in (decode, prefill):
+            if group:
+                self._forward([rows[i] for i in group], group, last, prompt_lp)
+        logits = mx.concatenate([x for x in last], axis=0)  # type: ignore[misc]
+        sample_rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids) for r in rows]
+        res = self.sampler.sample(logits, sample_rows)
+        mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
+
+        now = time.monotonic()
+        sampled: list[list[int]] = []
+        ttfts = []
+        for r, tok in zip(rows, res.token_ids):
+            if r.sample:
+                s = r.state
+                s.output_token_ids.append(int(tok))
+                if s.first_token_at is None:
+                    s.first_token_at = now
+                    ttfts.append(now - s.first_seen)
+                sampled.append([int(tok)])
+            else:
+                sampled.append([])
+        req_ids = [r.state.req_id for r in rows]
+        logprobs = None
+        if res.logprob_token_ids is not None:
+            logprobs = LogprobsLists(res.logprob_token_ids, res.logprobs, res.sampled_token_ranks)  # type: ignore[arg-type]
+        plp_dict: dict[str, LogprobsLists | None] = {}
+        for i, (lg, targets) in prompt_lp.items():
+            ids, lps, ranks = prompt_logprobs(lg, targets, rows[i].state.sampling_params.prompt_logprobs)  # type: ignore[arg-type]
+            plp_dict[req_ids[i]] = LogprobsLists(ids, lps, ranks)
+        nans = {rid: n for rid, n in zip(req_ids, res.num_nans) if n}
+        prompt_tokens = sum(max(0, min(r.end, len(r.state.prompt_token_ids)) - r.start) for r in rows)
+        self.last_stats = StepStats(len(rows), sum(len(r.token_ids) for r in rows), prompt_tokens,
+                                    sum(map(len, sampled)), 0.0, tuple(ttfts))
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs_dict=plp_dict,
+            num_nans_in_logits=nans or None,
+        )
+
+    def _forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict) -> None:
+        """One padded batch; fills `last[where[b]]` with row b's final logits [1, V]."""
+        pool = self.pool
+        assert pool is not None
+        lengths = [len(r.token_ids) for r in rows]
+        L = max(lengths)
+        tokens = np.zeros((len(rows), L), np.int32)
+        for b, r in enumerate(rows):
+            tokens[b, : lengths[b]] = r.token_ids
+        layout = BatchLayout.build([r.start for r in rows], lengths, [r.block_ids for r in rows],
+                                   pool.block_size, pool.sink)
+        # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
+        select: list[int] = []
+        last_at: list[int] = []
+        spans: list[tuple[int, int, int, list[int]]] = []  # (row, first index in select, count, targets)
+        for b, r in enumerate(rows):
+            k = r.state.sampling_params.prompt_logprobs
+            P = len(r.state.prompt_token_ids)
+            hi = min(r.end, P - 1)
+            if k is not None and hi > r.start:
+                spans.append((b, len(select), hi - r.start, r.state.prompt_token_ids[r.start + 1 : hi + 1]))
+                select.extend(b * L + i for i in range(hi - r.start))
+            last_at.append(len(select))
+            select.append(b * L + lengths[b] - 1)
+        index = mx.array(np.asarray(select, np.int32))
+        caches = [PagedCache(pool, i, layout) for i in range(len(pool.specs))]
+        if self._selection is not None:
+            self._selection.index = index
+            try:
+                logits = self.model(mx.array(tokens), cache=caches)[0]
+            finally:
+                self._selection.index = None
+        else:
+            logits = self.model(mx.array(tokens), cache=caches).reshape(-1, self.vocab_size)[index]
+        logits = logits.astype(mx.float32)
+        for b, w in enumerate(where):
+            last[w] = logits[last_at[b] : last_at[b] + 1]
+        for b, first, count, targets in spans:
+            prompt_lp[where[b]] = (logits[first : first + count], targets)

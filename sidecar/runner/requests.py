@@ -1,0 +1,193 @@
+"""Per-request worker state and the step plan: plain Python, no MLX.
+
+`plan_step` validates a whole SchedulerOutput against the current state and returns what to do;
+`apply` is the only place request state changes, so a rejected step changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sidecar.errors import ProtocolError
+from sidecar.protocol import SchedulerOutput
+from sidecar.runner.sampler import SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the single KV cache group's block table
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    lora_request: dict | None = None
+    first_seen: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids[start:] if start < n else []) + self.output_token_ids[max(start - n, 0) : end - n]
+
+
+@dataclass
+class Row:
+    """One request's share of a step: compute tokens [start, start+len(token_ids))."""
+
+    state: RequestState
+    start: int
+    token_ids: list[int]
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the end of the known tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    finished: list[str]
+    new_states: list[RequestState]
+    # cached requests: (state, new block table, new output tokens or None)
+    updates: list[tuple[RequestState, list[int], list[int] | None]]
+    rows: list[Row]
+
+
+def _group0(groups: list[list[int]], path: str) -> list[int]:
+    if len(groups) != 1:
+        raise ProtocolError(f"expected 1 KV cache group, got {len(groups)}", field=path)
+    return groups[0]
+
+
+def plan_step(
+    requests: dict[str, RequestState], out: SchedulerOutput, *,
+    num_blocks: int, block_size: int, vocab_size: int, max_model_len: int,
+) -> StepPlan:
+    """Validate the whole batch and plan it; raises ProtocolError (with the field path) on any violation."""
+    finished = set(out.finished_req_ids)  # unknown finished ids are ignored, as vLLM's runner does
+    live = {rid for rid in requests if rid not in finished}
+
+    for i, rid in enumerate(out.preempted_req_ids):
+        if rid not in live:
+            raise ProtocolError(f"unknown request {rid!r}", field=f"preempted_req_ids[{i}]")
+
+    seen: set[str] = set()
+    rows: list[Row] = []
+    new_states: list[RequestState] = []
+    updates: list[tuple[RequestState, list[int], list[int] | None]] = []
+
+    def scheduled(rid: str, path: str) -> int:
+        if rid in seen:
+            raise ProtocolError(f"request {rid!r} is scheduled twice", field=path)
+        seen.add(rid)
+        n = out.num_scheduled_tokens.get(rid)
+        if n is None or n < 1:
+            raise ProtocolError(f"num_scheduled_tokens[{rid!r}] must be >= 1, got {n}", field=f"num_scheduled_tokens.{rid}")
+        return n
+
+    def check_table(table: list[int], end: int, path: str) -> None:
+        for j, b in enumerate(table):
+            if not 0 <= b < num_blocks:
+                raise ProtocolError(f"block id {b} outside [0, {num_blocks})", field=f"{path}[{j}]")
+        need = -(-end // block_size)
+        if len(table) < need:
+            raise ProtocolError(
+                f"block table has {len(table)} blocks, positions up to {end} need {need}", field=path)
+        if end > max_model_len:
+            raise ProtocolError(f"position {end} exceeds max_model_len {max_model_len}", field=path)
+
+    def check_tokens(tokens: list[int], path: str) -> None:
+        for j, t in enumerate(tokens):
+            if not 0 <= t < vocab_size:
+                raise ProtocolError(f"token id {t} outside [0, {vocab_size})", field=f"{path}[{j}]")
+
+    for i, nr in enumerate(out.scheduled_new_reqs):
+        path = f"scheduled_new_reqs[{i}]"
+        if nr.req_id in live:
+            raise ProtocolError(f"request {nr.req_id!r} already exists", field=f"{path}.req_id")
+        n = scheduled(nr.req_id, f"{path}.req_id")
+        check_tokens(nr.prompt_token_ids, f"{path}.prompt_token_ids")
+        start, end = nr.num_computed_tokens, nr.num_computed_tokens + n
+        if start < 0 or end > len(nr.prompt_token_ids):
+            raise ProtocolError(
+                f"tokens [{start}, {end}) run past the prompt of {len(nr.prompt_token_ids)}",
+                field=f"{path}.num_computed_tokens")
+        table = _group0(nr.block_ids, f"{path}.block_ids")
+        check_table(table, end, f"{path}.block_ids[0]")
+        state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start, lora_request=nr.lora_request)
+        new_states.append(state)
+        rows.append(Row(state, start, state.tokens(start, end), table, end == state.num_tokens))
+
+    cached = out.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        path = "scheduled_cached_reqs"
+        if rid not in live:
+            raise ProtocolError(f"unknown request {rid!r}", field=f"{path}.req_ids[{i}]")
+        n = scheduled(rid, f"{path}.req_ids[{i}]")
+        state = requests[rid]
+        start = cached.num_computed_tokens[i]
+        # Tokens the scheduler states (pipeline-parallel style / resumed all_token_ids) override ours.
+        outputs = None
+        if rid in cached.all_token_ids:
+            toks = cached.all_token_ids[rid]
+            if toks[: len(state.prompt_token_ids)] != state.prompt_token_ids:
+                raise ProtocolError("all_token_ids must start with the prompt", field=f"{path}.all_token_ids.{rid}")
+            outputs = toks[len(state.prompt_token_ids):]
+        elif cached.new_token_ids[i]:
+            known = state.tokens(0, state.num_tokens)[:start] + cached.new_token_ids[i]
+            if len(known) < len(state.prompt_token_ids):
+                raise ProtocolError("new_token_ids may not rewrite the prompt", field=f"{path}.new_token_ids[{i}]")
+            outputs = known[len(state.prompt_token_ids):]
+        if outputs is not None:
+            check_tokens(outputs, f"{path}.new_token_ids[{i}]")
+        num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids if outputs is None else outputs)
+        end = start + n
+        if start < 0 or end > num_tokens:
+            raise ProtocolError(
+                f"tokens [{start}, {end}) run past the {num_tokens} known tokens of {rid!r}",
+                field=f"{path}.num_computed_tokens[{i}]")
+        added = cached.new_block_ids[i]
+        added0 = _group0(added, f"{path}.new_block_ids[{i}]") if added is not None else []
+        if rid in cached.resumed_req_ids:
+            if added is None:
+                raise ProtocolError(f"resumed request {rid!r} needs its new block table", field=f"{path}.new_block_ids[{i}]")
+            table = list(added0)
+        else:
+            table = state.block_ids + added0
+        check_table(table, end, f"{path}.new_block_ids[{i}]")
+        updates.append((state, table, outputs))
+        all_toks = state.prompt_token_ids + (state.output_token_ids if outputs is None else outputs)
+        rows.append(Row(state, start, all_toks[start:end], table, end == num_tokens))
+
+    extra = set(out.num_scheduled_tokens) - seen
+    if extra:
+        rid = sorted(extra)[0]
+        raise ProtocolError(f"request {rid!r} has scheduled tokens but is not scheduled", field=f"num_scheduled_tokens.{rid}")
+    total = sum(out.num_scheduled_tokens.values())
+    if total != out.total_num_scheduled_tokens:
+        raise ProtocolError(
+            f"total_num_scheduled_tokens is {out.total_num_scheduled_tokens}, the per-request counts add up to {total}",
+            field="total_num_scheduled_tokens")
+    return StepPlan(sorted(finished & set(requests)), new_states, updates, rows)
+
+
+def apply(requests: dict[str, RequestState], plan: StepPlan) -> None:
+    """Commit a validated plan's bookkeeping (before the forward: finished dropped, tables set)."""
+    for rid in plan.finished:
+        del requests[rid]
+    for state in plan.new_states:
+        requests[state.req_id] = state
+    for state, table, outputs in plan.updates:
+        state.block_ids = table
+        if outputs is not None:
+            state.output_token_ids = list(outputs)
+    for row in plan.rows:
+        row.state.num_computed_tokens = row.end

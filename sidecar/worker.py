@@ -1,0 +1,376 @@
+"""MLXWorker: the vLLM worker lifecycle and its state machine; compute is delegated to the runner.
+
+Every method runs on the one MLX thread (the server guarantees it). Attributes the metrics read
+(`state`, `healthy`, ...) are plain values replaced atomically, so a scrape never waits on a step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from sidecar.config import Config, ConfigError
+from sidecar.errors import NotSupported, ProtocolError, StateError, Unavailable
+from sidecar.protocol import ModelRunnerOutput, check, get
+from sidecar.runner.kv_cache import DTYPES, KVPool, LayerSpec, dtype_name
+from sidecar.runner.model_runner import ModelRunner
+from sidecar.runner.requests import RequestState, Row
+
+log = logging.getLogger(__name__)
+
+
+class State(str, enum.Enum):
+    CREATED = "created"
+    DEVICE_READY = "device_ready"
+    MODEL_LOADED = "model_loaded"
+    CACHE_READY = "cache_ready"
+    READY = "ready"
+    SLEEPING = "sleeping"
+    SHUT_DOWN = "shut_down"
+
+
+S = State
+_LOADED = {S.MODEL_LOADED, S.CACHE_READY, S.READY}
+_CACHED = {S.CACHE_READY, S.READY}
+# method -> (states it is allowed in, what must come first)
+ALLOWED: dict[str, tuple[set[State], str]] = {
+    "init_device": ({S.CREATED, S.DEVICE_READY, S.SHUT_DOWN}, "call shutdown first"),
+    "load_model": ({S.DEVICE_READY}, "call init_device first (load_model runs once per init_device)"),
+    "determine_available_memory": (_LOADED, "call load_model first"),
+    "get_kv_cache_spec": (_LOADED | {S.SLEEPING}, "call load_model first"),
+    "get_cache_block_size_bytes": (_LOADED | {S.SLEEPING}, "call load_model first"),
+    "get_model": (_LOADED | {S.SLEEPING}, "call load_model first"),
+    "vocab_size": (_LOADED | {S.SLEEPING}, "call load_model first"),
+    "initialize_cache": (_LOADED, "call load_model first"),
+    "initialize_from_config": (_LOADED, "call load_model first"),
+    "compile_or_warm_up_model": (_CACHED, "call initialize_cache first"),
+    "execute_model": (_CACHED, "call initialize_cache first"),
+    "sleep": (_CACHED, "call initialize_cache first"),
+    "wake_up": ({S.SLEEPING}, "call sleep first"),
+    "check_health": (set(State), ""),
+    "shutdown": (set(State), ""),
+    "add_lora": (_LOADED, "call load_model first"),
+    "remove_lora": (_LOADED, "call load_model first"),
+    "pin_lora": (_LOADED, "call load_model first"),
+    "list_loras": (_LOADED, "call load_model first"),
+    "profile": (set(State) - {S.SHUT_DOWN}, "call init_device first"),
+}
+
+
+def lifecycle(fn: Callable) -> Callable:
+    """Check the state machine before the call: out of order is a 409 naming what comes first."""
+
+    @functools.wraps(fn)
+    def wrapper(self: MLXWorker, *args: Any, **kwargs: Any) -> Any:
+        self.require(fn.__name__)
+        return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+def device_memory_bytes() -> int:
+    """Device memory: MLX's device info on Metal/CUDA, the OS's physical memory on CPU."""
+    if mx.default_device() == mx.gpu:
+        info = mx.device_info()
+        for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+            if info.get(key):
+                return int(info[key])
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gpu_available() -> bool:
+    return mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
+
+
+class MLXWorker:
+    def __init__(self, vllm_config: Config | dict | None = None, local_rank: int = 0, rank: int = 0,
+                 distributed_init_method: str = "", is_driver_worker: bool = False):
+        if isinstance(vllm_config, dict):
+            vllm_config = Config().replace(**vllm_config)
+        self.config: Config = vllm_config or Config()
+        self.local_rank, self.rank = local_rank, rank
+        self.distributed_init_method, self.is_driver_worker = distributed_init_method, is_driver_worker
+        self.state = S.CREATED
+        self.healthy = True
+        self.last_health_check = 0.0
+        self.device = "none"
+        self.model: nn.Module | None = None
+        self.model_config: dict = {}
+        self.model_path: Path | None = None
+        self.runner: ModelRunner | None = None
+        self.weights_bytes = 0
+        self.baseline_active_bytes = 0
+        self.activation_peak_bytes = 0
+
+    def __repr__(self) -> str:
+        model = self.model_path.name if self.model_path else None
+        blocks = self.runner.num_blocks if self.runner else 0
+        return f"MLXWorker(state={self.state.value}, device={self.device}, model={model}, num_blocks={blocks})"
+
+    # --- the state machine -------------------------------------------------------------------
+
+    def require(self, method: str) -> None:
+        states, hint = ALLOWED[method]
+        if self.state not in states:
+            allowed = ", ".join(sorted(s.value for s in states))
+            raise StateError(f"{method} is not allowed in state {self.state.value!r} (allowed: {allowed}); {hint}")
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    @lifecycle
+    def init_device(self, config: dict | None = None) -> None:
+        if config:
+            try:
+                self.config = self.config.replace(**check(config, dict, "config"))
+            except ConfigError as e:
+                raise ProtocolError(str(e), field=f"config.{e.key}") from None
+        want = self.config.device
+        if want == "gpu" and not _gpu_available():
+            raise ProtocolError("no GPU (Metal or CUDA) is available to MLX here", field="config.device")
+        dev = mx.gpu if want != "cpu" and _gpu_available() else mx.cpu
+        mx.set_default_device(dev)
+        self.device = "gpu" if dev == mx.gpu else "cpu"
+        info = mx.device_info() if dev == mx.gpu else {}
+        log.info("init_device: %s %s (memory %d bytes)", self.device, info.get("device_name", ""), device_memory_bytes())
+        self.baseline_active_bytes = mx.get_active_memory()
+        self.state = S.DEVICE_READY
+
+    @lifecycle
+    def load_model(self) -> None:
+        from mlx_lm.utils import load_model
+
+        from sidecar.models import resolve_model
+
+        path = resolve_model(self.config.model, self.config.home)
+        model, config = load_model(path)
+        self.model, self.model_config, self.model_path = model, config, path
+        self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        cap = self.config.max_model_len or min(int(config.get("max_position_embeddings") or 4096), 32768)
+        self.runner = ModelRunner(
+            model, self._layer_specs(), vocab_size=self._vocab_size(), eos_token_ids=self._eos_ids(),
+            max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
+        )
+        log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
+        self.state = S.MODEL_LOADED
+
+    def _model_dtype(self) -> mx.Dtype:
+        for _, v in tree_flatten(self.model.parameters()):  # type: ignore[union-attr]
+            if v.dtype in DTYPES.values():
+                return v.dtype
+        return mx.float16
+
+    def _vocab_size(self) -> int:
+        if "vocab_size" in self.model_config:
+            return int(self.model_config["vocab_size"])
+        return int(self.model_config["text_config"]["vocab_size"])
+
+    def _eos_ids(self) -> list[int]:
+        ids: list[int] = []
+        sources = [self.model_config]
+        gen = self.model_path / "generation_config.json"  # type: ignore[operator]
+        if gen.exists():
+            sources.append(json.loads(gen.read_text()))
+        for src in sources:
+            v = src.get("eos_token_id")
+            ids += v if isinstance(v, list) else [] if v is None else [v]
+        return sorted(set(ids))
+
+    def _layer_specs(self) -> list[LayerSpec]:
+        c = self.model_config.get("text_config", self.model_config)
+        heads = c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        dtype = dtype_name(self._model_dtype()) if self.config.kv_dtype == "auto" else self.config.kv_dtype
+        types = c.get("layer_types") or ["full_attention"] * len(self.model.layers)  # type: ignore[union-attr]
+        window = c.get("sliding_window")
+        return [
+            LayerSpec(self.config.block_size, kv_heads, head_dim, head_dim, dtype,
+                      window if t == "sliding_attention" else None)
+            for t in types
+        ]
+
+    @lifecycle
+    def determine_available_memory(self) -> int:
+        assert self.runner is not None
+        mx.eval(self.model.parameters())  # type: ignore[union-attr]
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        self._profile_run()
+        self.activation_peak_bytes = max(0, mx.get_peak_memory() - before)
+        mx.clear_cache()
+        total = int(device_memory_bytes() * self.config.gpu_memory_utilization)
+        held = self.runner.pool.nbytes if self.runner.pool else 0  # an existing pool is reusable
+        free = total - self.weights_bytes - self.activation_peak_bytes - (mx.get_active_memory() - before) + held
+        log.info("determine_available_memory: %d bytes (weights %d, activation peak %d)",
+                 free, self.weights_bytes, self.activation_peak_bytes)
+        return max(0, free)
+
+    def _profile_run(self) -> float:
+        """Forwards at the configured limits on a scratch pool: a full-budget prefill and a full decode batch."""
+        runner = self.runner
+        assert runner is not None
+        cfg = self.config
+        seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+        prefill = max(1, min(cfg.max_num_batched_tokens, runner.max_model_len))
+        bs = cfg.block_size
+        blocks = -(-prefill // bs) + seqs
+        pool, saved = runner.pool, runner.requests
+        t0 = time.perf_counter()
+        try:
+            runner.pool, runner.requests = KVPool(runner.specs, blocks), {}
+            from sidecar.runner.sampler import SamplingParams
+
+            greedy = SamplingParams(temperature=0.0)
+            big = RequestState("profile-prefill", [0] * prefill, greedy, list(range(-(-prefill // bs))))
+            runner._run([Row(big, 0, big.prompt_token_ids, big.block_ids, True)])
+            rows = []
+            for i in range(seqs):
+                s = RequestState(f"profile-{i}", [0], greedy, [blocks - 1 - i])
+                rows.append(Row(s, 0, [0], s.block_ids, True))
+            runner._run(rows)
+        finally:
+            runner.pool, runner.requests = pool, saved
+        return time.perf_counter() - t0
+
+    @lifecycle
+    def get_kv_cache_spec(self) -> dict[str, dict]:
+        assert self.runner is not None
+        return {f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(self.runner.specs)}
+
+    @lifecycle
+    def get_cache_block_size_bytes(self) -> int:
+        assert self.runner is not None
+        return sum(s.page_size_bytes for s in self.runner.specs)
+
+    @lifecycle
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
+        assert self.runner is not None
+        check(num_gpu_blocks, int, "num_gpu_blocks")
+        check(num_cpu_blocks, int, "num_cpu_blocks")
+        if num_gpu_blocks < 1:
+            raise ProtocolError("num_gpu_blocks must be >= 1", field="num_gpu_blocks")
+        need = num_gpu_blocks * self.get_cache_block_size_bytes()
+        limit = device_memory_bytes()
+        if need > limit:
+            raise ProtocolError(f"{num_gpu_blocks} blocks need {need} bytes, the device has {limit}", field="num_gpu_blocks")
+        self.runner.allocate(num_gpu_blocks)
+        log.info("initialize_cache: %d blocks of %d tokens (%d bytes)", num_gpu_blocks, self.config.block_size, need)
+        self.state = S.CACHE_READY
+
+    @lifecycle
+    def initialize_from_config(self, kv_cache_config: dict) -> None:
+        """vLLM's KVCacheConfig: {num_blocks, kv_cache_tensors, kv_cache_groups: [{layer_names, kv_cache_spec}]}."""
+        path = "kv_cache_config"
+        check(kv_cache_config, dict, path)
+        num_blocks = get(kv_cache_config, "num_blocks", int, path)
+        groups = get(kv_cache_config, "kv_cache_groups", list, path, default=[])
+        ours = self.get_kv_cache_spec()
+        named: set[str] = set()
+        for i, g in enumerate(groups):
+            gp = f"{path}.kv_cache_groups[{i}]"
+            check(g, dict, gp)
+            names = get(g, "layer_names", list, gp)
+            for j, name in enumerate(names):
+                if name not in ours:
+                    raise ProtocolError(f"unknown layer {name!r}", field=f"{gp}.layer_names[{j}]")
+            named.update(names)
+            spec = get(g, "kv_cache_spec", dict, gp, default={})
+            bs = spec.get("block_size", self.config.block_size)
+            if bs != self.config.block_size:
+                raise ProtocolError(f"block_size {bs} differs from the worker's {self.config.block_size}",
+                                    field=f"{gp}.kv_cache_spec.block_size")
+        if groups and named != set(ours):
+            missing = sorted(set(ours) - named)[0]
+            raise ProtocolError(f"layer {missing!r} is in no KV cache group", field=f"{path}.kv_cache_groups")
+        self.initialize_cache(num_blocks, 0)
+
+    @lifecycle
+    def compile_or_warm_up_model(self) -> float:
+        seconds = self._profile_run()
+        mx.clear_cache()
+        self.state = S.READY
+        return seconds
+
+    @lifecycle
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        assert self.runner is not None
+        return self.runner.execute_model(self.runner.decode(scheduler_output))
+
+    @lifecycle
+    def check_health(self) -> None:
+        # A small real computation on the device, checked against its known answer.
+        a = mx.array([[1.0, 2.0], [3.0, 4.0]])
+        got = (a @ mx.array([[5.0], [6.0]])).reshape(-1).tolist()
+        self.healthy = got == [17.0, 39.0]
+        self.last_health_check = time.time()
+        if not self.healthy:
+            raise Unavailable(f"device health check failed: 2x2 matmul gave {got}", retry_after=5)
+
+    @lifecycle
+    def get_model(self) -> dict:
+        c = self.model_config.get("text_config", self.model_config)
+        params = sum(v.size for _, v in tree_flatten(self.model.parameters()))  # type: ignore[union-attr]
+        return {
+            "type": c.get("model_type"), "num_layers": len(self.model.layers),  # type: ignore[union-attr]
+            "hidden_size": c.get("hidden_size"), "num_attention_heads": c.get("num_attention_heads"),
+            "num_kv_heads": self.runner.specs[0].num_kv_heads if self.runner else None,
+            "vocab_size": self._vocab_size(), "params": params, "weights_bytes": self.weights_bytes,
+            "dtype": dtype_name(self._model_dtype()), "quantization": self.model_config.get("quantization"),
+            "max_model_len": self.runner.max_model_len if self.runner else None,
+            "eos_token_ids": self._eos_ids(), "path": str(self.model_path), "name": self.config.model,
+        }
+
+    @lifecycle
+    def vocab_size(self) -> int:
+        return self._vocab_size()
+
+    @lifecycle
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.free()
+        self.runner = self.model = None
+        self.model_config = {}
+        mx.clear_cache()
+        log.info("shutdown: active memory %d bytes", mx.get_active_memory())
+        self.state = S.SHUT_DOWN
+
+    # --- not yet supported (honest 501s, never silent no-ops) ---------------------------------
+
+    @lifecycle
+    def sleep(self, level: int = 1) -> None:
+        raise NotSupported("sleep is not supported yet")
+
+    @lifecycle
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise NotSupported("wake_up is not supported yet")
+
+    @lifecycle
+    def add_lora(self, lora_request: dict) -> bool:
+        raise NotSupported("LoRA adapters are not supported yet")
+
+    @lifecycle
+    def remove_lora(self, lora_id: int) -> bool:
+        raise NotSupported("LoRA adapters are not supported yet")
+
+    @lifecycle
+    def pin_lora(self, lora_id: int) -> bool:
+        raise NotSupported("LoRA adapters are not supported yet")
+
+    @lifecycle
+    def list_loras(self) -> list[int]:
+        raise NotSupported("LoRA adapters are not supported yet")
+
+    @lifecycle
+    def profile(self, is_start: bool = True) -> None:
+        raise NotSupported("profiling is not supported yet")
