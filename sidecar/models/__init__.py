@@ -1,0 +1,21 @@
+"""Model resolution: built-in generated models and local mlx-lm model directories."""
+
+from __future__ import annotations
+
+from sidecar.models.builtin import (
+    BUILTIN_MODELS,
+    BUILTIN_PREFIX,
+    BuiltinSpec,
+    ModelNotFound,
+    cache_home,
+    resolve_model,
+)
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "BUILTIN_PREFIX",
+    "BuiltinSpec",
+    "ModelNotFound",
+    "cache_home",
+    "resolve_model",
+]
