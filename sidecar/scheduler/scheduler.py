@@ -1,0 +1,288 @@
+"""Reference scheduler with vLLM v1's policy, driving a worker over the execute_model wire protocol.
+
+Plain Python, no MLX. A step is `schedule()` -> the wire `scheduler_output` (DESIGN.md §6) ->
+the worker's `execute_model` -> `update_from_output()`, which appends the sampled tokens and
+checks stops. Policy: continuous batching; running requests first (decodes and unfinished
+chunked prefills), then FCFS admission of waiting ones under a token budget and a sequence cap;
+chunked prefill; prefix caching; preemption by recompute when blocks run out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from sidecar.scheduler.blocks import BlockManager
+
+
+class Status(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity equality: requests live in lists that are searched and removed from
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict  # wire map with vLLM field names (temperature, top_p, seed, logprobs, ...)
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # over prompt + output tokens; reset to 0 by preemption
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the eos/stop token that finished it
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    sent: bool = False  # the worker has seen it: it is a "new" request exactly once
+    # Block manager state (blocks.SeqLike).
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.req_id!r}: empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.req_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"request {self.req_id!r}: min_tokens must be in [0, max_tokens]")
+
+    @property
+    def min_tokens(self) -> int:
+        return int(self.sampling_params.get("min_tokens") or 0)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def wire_sampling_params(self) -> dict:
+        # vLLM's SamplingParams carries these too; the worker needs them for min_tokens masking.
+        return {**self.sampling_params, "max_tokens": self.max_tokens,
+                "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos}
+
+
+@dataclass
+class Event:
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    def __init__(
+        self, *, num_blocks: int, block_size: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+        eos_token_ids: Sequence[int] = (), enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+    ):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or long_prefill_token_threshold < 0:
+            raise ValueError("need max_num_seqs >= 1, max_num_batched_tokens >= 1, long_prefill_token_threshold >= 0")
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every request the next step's finished_req_ids hasn't dropped
+        self.waiting: deque[Request] = deque()  # new and preempted requests, FCFS
+        self.running: list[Request] = []  # in admission order; preemption takes from the end
+        self._finished_ids: list[str] = []  # finished or aborted since the last step, known to the worker
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        # The worker writes every position but the last sampled token's; a request that can't fit
+        # in the whole pool alone would preempt itself forever.
+        need = self.blocks.blocks_for(len(req.prompt_token_ids) + req.max_tokens - 1)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"request {req.req_id!r} needs {need} blocks, the pool has {self.blocks.num_blocks}")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_finished_ids(self) -> bool:
+        """Finished requests the worker still holds state for (the next step drops them)."""
+        return bool(self._finished_ids)
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished:
+            return
+        (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
+        self._finish(req, "abort")
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _num_new_tokens(self, req: Request, budget: int, num_computed: int) -> int:
+        n = req.num_tokens - num_computed
+        if self.long_prefill_token_threshold:
+            n = min(n, self.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute, not swap: drop its blocks (their full ones stay cached, so resuming may hit
+        # them) and recompute prompt + outputs later. The worker keeps the output tokens too.
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> dict:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[dict] = []
+        cached: list[tuple[Request, list[int] | None, bool]] = []  # (req, blocks sent, resumed)
+        preempted: list[str] = []
+
+        # 1. Running requests, in admission order. Out of blocks: preempt the most recently
+        # admitted one (maybe req itself, then nothing after it is left to schedule).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget, req.num_computed_tokens)
+            num_blocks = len(req.block_table)
+            while not self.blocks.append_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.req_id)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                num_scheduled[req.req_id] = n
+                budget -= n
+                cached.append((req, req.block_table[num_blocks:] or None, False))
+                i += 1
+
+        # 2. Waiting requests, FCFS: none after a preemption (blocks are short), and the first
+        # that doesn't fit blocks the queue.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.blocks.cached_prefix(req)
+            num_computed = len(hits) * self.block_size
+            n = self._num_new_tokens(req, budget, num_computed)
+            if not self.blocks.allocate(req, num_computed + n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            req.status = Status.RUNNING
+            self.running.append(req)
+            num_scheduled[req.req_id] = n
+            budget -= n
+            if req.sent:  # resumed after preemption: the worker replaces its table with this one
+                cached.append((req, list(req.block_table), True))
+            else:
+                req.sent = True
+                new_reqs.append({
+                    "req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
+                    "sampling_params": req.wire_sampling_params(), "block_ids": [list(req.block_table)],
+                    "num_computed_tokens": num_computed, "lora_request": None,
+                })
+
+        finished, self._finished_ids = self._finished_ids, []
+        for req_id in finished:
+            del self.requests[req_id]
+        return {
+            "scheduled_new_reqs": new_reqs,
+            "scheduled_cached_reqs": {
+                "req_ids": [r.req_id for r, _, _ in cached],
+                "resumed_req_ids": [r.req_id for r, _, resumed in cached if resumed],
+                "new_token_ids": [[] for _ in cached],  # the worker appends the tokens it sampled itself
+                "new_block_ids": [None if b is None else [b] for _, b, _ in cached],
+                "num_computed_tokens": [r.num_computed_tokens for r, _, _ in cached],
+                "num_output_tokens": [len(r.output_token_ids) for r, _, _ in cached],
+            },
+            "num_scheduled_tokens": num_scheduled,
+            "total_num_scheduled_tokens": sum(num_scheduled.values()),
+            "scheduled_spec_decode_tokens": {},
+            "num_common_prefix_blocks": [0],
+            "finished_req_ids": finished,
+            "preempted_req_ids": preempted,
+        }
+
+    def update_from_output(self, scheduler_output: dict, model_runner_output: dict) -> list[Event]:
+        index = model_runner_output["req_id_to_index"]
+        sampled = model_runner_output["sampled_token_ids"]
+        events: list[Event] = []
+        for req_id, n in scheduler_output["num_scheduled_tokens"].items():
+            req = self.requests.get(req_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted after this step was scheduled
+            req.num_computed_tokens += n
+            self.blocks.cache_blocks(req)
+            new = list(sampled[index[req_id]])
+            # The worker samples exactly when the computed tokens reach the end of the known ones.
+            if len(new) != (req.num_computed_tokens == req.num_tokens):
+                raise ValueError(
+                    f"worker returned {new} for {req_id!r} at {req.num_computed_tokens}/{req.num_tokens} tokens")
+            if not new:
+                continue  # a chunk of a longer prefill
+            req.output_token_ids += new
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            reason = self._check_stop(req)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            events.append(Event(req_id, new, reason is not None, reason))
+        return events
+
+    def _check_stop(self, req: Request) -> str | None:
+        # vLLM's order: min_tokens holds off stops, then eos, stop ids, and length.
+        num_out, last = len(req.output_token_ids), req.output_token_ids[-1]
+        if num_out < req.min_tokens:
+            return None
+        if (not req.ignore_eos and last in self.eos_token_ids) or last in req.stop_token_ids:
+            req.stop_reason = last
+            return "stop"
+        return "length" if num_out >= req.max_tokens else None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.blocks.free(req)  # its full computed blocks stay cached for later prompts
+        if req.sent:
+            self._finished_ids.append(req.req_id)
+        else:
+            del self.requests[req.req_id]  # the worker never saw it: nothing to drop there
+
+
+def run(
+    scheduler: Scheduler, execute_model: Callable[[dict], dict], on_event: Callable[[Event], None] | None = None,
+) -> dict[str, Request]:
+    """Step until no request is unfinished; returns every request seen (by id).
+
+    Ends with a step that carries only finished_req_ids (no tokens) when the last requests
+    finished, as vLLM's engine does, so the worker frees their state: the worker must accept a
+    step with total_num_scheduled_tokens == 0. `on_event` may add or abort requests.
+    """
+    seen: dict[str, Request] = {}
+    while scheduler.has_unfinished() or scheduler.has_finished_ids():
+        seen.update(scheduler.requests)
+        out = scheduler.schedule()
+        for event in scheduler.update_from_output(out, execute_model(out)):
+            if on_event is not None:
+                on_event(event)
+    return seen
