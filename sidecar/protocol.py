@@ -37,7 +37,7 @@ def decode_body(body: bytes, content_type: str) -> dict:
             value = msgpack.unpackb(
                 body, raw=False, strict_map_key=False, ext_hook=_no_ext, use_list=True,
                 max_str_len=len(body), max_bin_len=len(body), max_array_len=MAX_CONTAINER_LEN,
-                max_map_len=MAX_CONTAINER_LEN, max_ext_len=0,
+                max_map_len=MAX_CONTAINER_LEN,
             )
         else:
             value = json.loads(body)
