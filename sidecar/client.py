@@ -7,6 +7,7 @@ dependency beyond msgpack. `http://host:port` and `unix:///path/to/socket` URLs 
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 from typing import Any
 from urllib.parse import urlparse
@@ -91,6 +92,16 @@ class RemoteWorker:
             raise RemoteError(resp.status, err.get("type", "http_error"), err.get("message", data[:200].decode(errors="replace")),
                               err.get("field"), float(retry) if retry else None)
         return payload["result"]
+
+    def info(self) -> dict:
+        """GET /info: version, state, model, device, KV spec, num_blocks, block_size."""
+        conn = self._connection()
+        conn.request("GET", "/info", headers={k: v for k, v in self._headers.items() if k == "authorization"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RemoteError(resp.status, "http_error", data[:200].decode(errors="replace"), None)
+        return json.loads(data)
 
     # --- the MLXWorker interface --------------------------------------------------------------
 

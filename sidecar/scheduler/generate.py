@@ -1,0 +1,83 @@
+"""`mlx-sidecar generate`: the reference scheduler over RemoteWorker, streaming text to stdout.
+
+It brings a fresh worker up to `ready` itself (the calls a scheduler makes at start-up), so
+`make serve` followed by one `generate` shows the whole loop working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from sidecar.client import RemoteError, RemoteWorker
+from sidecar.scheduler.scheduler import Event, Request, Scheduler, run
+
+
+def bring_up(worker: RemoteWorker, state: str, max_blocks: int = 8192) -> None:
+    """Drive the lifecycle from wherever the worker is to `ready`, as a scheduler does at start-up."""
+    if state in ("created", "shut_down", ""):
+        worker.init_device()
+        state = "device_ready"
+    if state == "device_ready":
+        worker.load_model()
+        state = "model_loaded"
+    if state == "model_loaded":
+        free = worker.determine_available_memory()
+        worker.initialize_cache(num_gpu_blocks=max(1, min(free // worker.get_cache_block_size_bytes(), max_blocks)))
+        state = "cache_ready"
+    if state == "cache_ready":
+        worker.compile_or_warm_up_model()
+    if state == "sleeping":
+        worker.wake_up()
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+
+
+class StreamPrinter:
+    """Incremental detokenisation: print only the new, complete text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], out: Any = sys.stdout):
+        self.decode, self.out = decode, out
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, event: Event) -> None:
+        self.tokens += event.new_token_ids
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd") and not event.finished:
+            return  # half a multi-byte character: wait for the rest
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+
+def generate_cli(args: argparse.Namespace) -> int:
+    token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else None
+    worker = RemoteWorker(args.url, token=token)
+    try:
+        bring_up(worker, worker.info()["state"])
+        info = worker.info()
+        model = worker.get_model()
+        tok = load_tokenizer(args.model or model["path"])
+        sched = Scheduler(num_blocks=info["num_blocks"], block_size=info["block_size"],
+                          eos_token_ids=model["eos_token_ids"])
+        sampling: dict = {"temperature": args.temperature}
+        if args.seed is not None:
+            sampling["seed"] = args.seed
+        prompt = tok.encode(args.prompt).ids
+        sched.add_request(Request("generate-0", prompt, sampling, max_tokens=args.max_tokens))
+        printer = StreamPrinter(lambda ids: tok.decode(ids, skip_special_tokens=True))
+        run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer)
+        sys.stdout.write("\n")
+        return 0
+    except (RemoteError, OSError) as e:
+        print(f"mlx-sidecar generate: {e}", file=sys.stderr)
+        return 1
+    finally:
+        worker.close()
