@@ -6,6 +6,7 @@ Every method runs on the one MLX thread (the server guarantees it). Attributes t
 
 from __future__ import annotations
 
+import cProfile
 import enum
 import functools
 import json
@@ -49,7 +50,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "determine_available_memory": (_LOADED, "call load_model first"),
     "get_kv_cache_spec": (_LOADED | {S.SLEEPING}, "call load_model first"),
     "get_cache_block_size_bytes": (_LOADED | {S.SLEEPING}, "call load_model first"),
-    "get_model": (_LOADED | {S.SLEEPING}, "call load_model first"),
+    "get_model": (_LOADED, "call load_model first"),
     "vocab_size": (_LOADED | {S.SLEEPING}, "call load_model first"),
     "initialize_cache": (_LOADED, "call load_model first"),
     "initialize_from_config": (_LOADED, "call load_model first"),
@@ -63,7 +64,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "remove_lora": (_LOADED, "call load_model first"),
     "pin_lora": (_LOADED, "call load_model first"),
     "list_loras": (_LOADED, "call load_model first"),
-    "profile": (set(State) - {S.SHUT_DOWN}, "call init_device first"),
+    "profile": (set(State), ""),
 }
 
 
@@ -111,6 +112,10 @@ class MLXWorker:
         self.weights_bytes = 0
         self.baseline_active_bytes = 0
         self.activation_peak_bytes = 0
+        self._profiler: cProfile.Profile | None = None
+        self._asleep: set[str] = set()
+        self._awake_state = S.READY
+        self._sleep_blocks = 0
 
     def __repr__(self) -> str:
         model = self.model_path.name if self.model_path else None
@@ -122,6 +127,8 @@ class MLXWorker:
     def require(self, method: str) -> None:
         states, hint = ALLOWED[method]
         if self.state not in states:
+            if self.state == S.SLEEPING:
+                raise Unavailable(f"{method}: the worker is sleeping; call wake_up first", retry_after=1)
             allowed = ", ".join(sorted(s.value for s in states))
             raise StateError(f"{method} is not allowed in state {self.state.value!r} (allowed: {allowed}); {hint}")
 
@@ -345,15 +352,73 @@ class MLXWorker:
         log.info("shutdown: active memory %d bytes", mx.get_active_memory())
         self.state = S.SHUT_DOWN
 
-    # --- not yet supported (honest 501s, never silent no-ops) ---------------------------------
+    # --- sleep mode ---------------------------------------------------------------------------
 
     @lifecycle
     def sleep(self, level: int = 1) -> None:
-        raise NotSupported("sleep is not supported yet")
+        """Level 1 discards the KV cache (contents and request state); level 2 also frees the
+        weights, reloaded from disk on wake_up. (On unified memory there is no host to offload to.)"""
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ProtocolError(f"level must be 1 or 2, got {level!r}", field="level")
+        assert self.runner is not None
+        self._awake_state, self._sleep_blocks = self.state, self.runner.num_blocks
+        self.runner.free()
+        self._asleep = {"kv_cache"}
+        if level == 2:
+            self.runner.model = self.model = None
+            self.weights_bytes = 0
+            self._asleep.add("weights")
+        mx.clear_cache()
+        self.state = S.SLEEPING
+        log.info("sleep(level=%d): active memory %d bytes", level, mx.get_active_memory())
 
     @lifecycle
     def wake_up(self, tags: list[str] | None = None) -> None:
-        raise NotSupported("wake_up is not supported yet")
+        wanted = {"weights", "kv_cache"} if tags is None else set(check(tags, list, "tags"))
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ProtocolError(f"unknown tag {sorted(unknown)[0]!r} (tags: weights, kv_cache)", field="tags")
+        assert self.runner is not None
+        if "weights" in wanted & self._asleep:
+            from mlx_lm.utils import load_model
+
+            model, _ = load_model(self.model_path)  # type: ignore[arg-type]
+            self.model = model
+            self.runner.set_model(model)
+            self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+            self._asleep.discard("weights")
+        if "kv_cache" in wanted & self._asleep:
+            self.runner.allocate(self._sleep_blocks)
+            self._asleep.discard("kv_cache")
+        if not self._asleep:
+            self.state = self._awake_state
+
+    # --- profiling ----------------------------------------------------------------------------
+
+    @lifecycle
+    def profile(self, is_start: bool = True) -> str | None:
+        """cProfile of the MLX thread (every worker call runs there), plus a Metal GPU capture when
+        available; stop writes `<home>/profiles/worker-<time>.prof` and returns its path."""
+        check(is_start, bool, "is_start")
+        if is_start:
+            if self._profiler is not None:
+                raise StateError("a profile is already running; call profile(is_start=False) first")
+            self._profiler = cProfile.Profile()
+            self._profiler.enable()
+            return None
+        if self._profiler is None:
+            raise StateError("no profile is running; call profile(is_start=True) first")
+        self._profiler.disable()
+        from sidecar.models import cache_home
+
+        out = cache_home(self.config.home) / "profiles" / f"worker-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.prof"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self._profiler.dump_stats(str(out))
+        self._profiler = None
+        log.info("profile written to %s", out)
+        return str(out)
+
+    # --- not yet supported (honest 501s, never silent no-ops) ---------------------------------
 
     @lifecycle
     def add_lora(self, lora_request: dict) -> bool:
@@ -370,7 +435,3 @@ class MLXWorker:
     @lifecycle
     def list_loras(self) -> list[int]:
         raise NotSupported("LoRA adapters are not supported yet")
-
-    @lifecycle
-    def profile(self, is_start: bool = True) -> None:
-        raise NotSupported("profiling is not supported yet")

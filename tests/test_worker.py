@@ -108,3 +108,63 @@ def test_shutdown_returns_memory_to_baseline(home: str) -> None:
     after = mx.get_active_memory()
     assert after - baseline < 0.1 * (loaded - baseline), (baseline, loaded, after)
     assert w.state == State.SHUT_DOWN
+
+
+def _greedy(w: MLXWorker, rid: str) -> list[int]:
+    from tests.driver import Driver
+
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add(rid, list(range(3, 30)))
+    out = d.run(6)[rid]
+    d.finish(rid)
+    d.step()
+    return out
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_memory_and_wake_up_restores(make_worker, level: int) -> None:
+    from sidecar.errors import Unavailable
+
+    w = make_worker("builtin:small", num_blocks=512, max_num_batched_tokens=64, max_num_seqs=4)
+    w.compile_or_warm_up_model()
+    want = _greedy(w, "before")
+    gc.collect()
+    awake = mx.get_active_memory()
+    w.sleep(level)
+    gc.collect()
+    asleep = mx.get_active_memory()
+    freed = awake - asleep
+    assert freed >= 512 * w.get_cache_block_size_bytes()
+    if level == 2:
+        assert freed >= 512 * w.get_cache_block_size_bytes() + 200e6  # the weights went too
+    with pytest.raises(Unavailable, match="sleeping"):
+        w.execute_model({})
+    if level == 2:
+        w.wake_up(tags=["weights"])
+        assert w.state == State.SLEEPING  # the cache is still asleep
+        w.wake_up(tags=["kv_cache"])
+    else:
+        w.wake_up()
+    assert w.state == State.READY and w.runner.num_blocks == 512
+    assert _greedy(w, "after") == want
+
+
+def test_sleep_level_is_validated(make_worker) -> None:
+    w = make_worker()
+    with pytest.raises(ProtocolError) as e:
+        w.sleep(3)
+    assert e.value.field == "level"
+    assert w.state == State.CACHE_READY
+
+
+def test_profile_writes_a_real_profile(make_worker) -> None:
+    import pstats
+
+    w = make_worker()
+    with pytest.raises(StateError):
+        w.profile(is_start=False)
+    w.profile(is_start=True)
+    _greedy(w, "p")
+    path = w.profile(is_start=False)
+    names = {fn for (_, _, fn) in pstats.Stats(path).stats}  # type: ignore[attr-defined]
+    assert "execute_model" in names and "_forward" in names

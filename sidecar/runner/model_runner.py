@@ -71,6 +71,10 @@ class ModelRunner:
         self.last_stats = StepStats()
         self._selection = _select_before_norm(model)
 
+    def set_model(self, model: nn.Module) -> None:
+        self.model = model
+        self._selection = _select_before_norm(model)
+
     # --- pool -------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> None:
