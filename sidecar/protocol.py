@@ -7,7 +7,7 @@ ids, block ranges, token counts) live in runner/requests.py so both run before a
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
@@ -252,7 +252,18 @@ class ModelRunnerOutput:
     num_nans_in_logits: dict[str, int] | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        # By hand: dataclasses.asdict deep-copies every leaf, a measurable cost per step.
+        def lists(x: LogprobsLists | None) -> dict | None:
+            return None if x is None else {
+                "logprob_token_ids": x.logprob_token_ids, "logprobs": x.logprobs,
+                "sampled_token_ranks": x.sampled_token_ranks, "cu_num_generated_tokens": x.cu_num_generated_tokens}
+
+        return {
+            "req_ids": self.req_ids, "req_id_to_index": self.req_id_to_index,
+            "sampled_token_ids": self.sampled_token_ids, "logprobs": lists(self.logprobs),
+            "prompt_logprobs_dict": {k: lists(v) for k, v in self.prompt_logprobs_dict.items()},
+            "num_nans_in_logits": self.num_nans_in_logits,
+        }
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

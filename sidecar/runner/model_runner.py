@@ -7,7 +7,6 @@ needed (each row's last, plus prompt-logprob positions) go through the final nor
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -104,16 +103,17 @@ class ModelRunner:
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         # Snapshot what `apply` and sampling touch, so an internal error rolls the state back.
-        saved = dict(self.requests), {id(s): copy.copy(s) for s in self.requests.values()}
-        for s in self.requests.values():
-            saved[1][id(s)].output_token_ids = list(s.output_token_ids)
+        live = dict(self.requests)
+        touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at)
+                   for s in (row.state for row in plan.rows)]
         apply(self.requests, plan)
         try:
             result = self._run(plan.rows)
         except BaseException:
-            self.requests = saved[0]
-            for s in self.requests.values():
-                s.__dict__.update(saved[1][id(s)].__dict__)
+            self.requests = live
+            for s, blocks, computed, outputs, n, first in touched:
+                del outputs[n:]
+                s.block_ids, s.num_computed_tokens, s.output_token_ids, s.first_token_at = blocks, computed, outputs, first
             raise
         self.last_stats.seconds = time.perf_counter() - t0
         return result
