@@ -114,3 +114,74 @@ def test_finished_requests_free_state(make_worker) -> None:
     d.finish("a")
     d.step()
     assert set(w.runner.requests) == {"b"}
+
+
+def test_prompt_logprobs_across_chunks_match_one_mlx_lm_forward(make_worker, oracle_model) -> None:
+    w = make_worker()
+    prompt = prompts(w.vocab_size(), [40], seed=3)[0]
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("p", prompt, {"temperature": 0.0, "prompt_logprobs": 3})
+    rows: list[list[float]] = []
+    ids: list[list[int]] = []
+    while d.reqs["p"].computed < len(prompt):
+        out = d.step(chunk=16)
+        plp = out["prompt_logprobs_dict"]["p"]
+        rows += plp["logprobs"]
+        ids += plp["logprob_token_ids"]
+    logits = oracle_model("builtin:tiny")(mx.array([prompt]))[0].astype(mx.float32)
+    ref = np.asarray(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    assert len(rows) == len(prompt) - 1
+    assert [r[0] for r in ids] == prompt[1:]
+    np.testing.assert_allclose([r[0] for r in rows], [ref[i, prompt[i + 1]] for i in range(len(prompt) - 1)], atol=1e-4)
+    top = np.argsort(-ref[:-1], axis=-1)[:, :3]
+    assert [r[1:] for r in ids] == top.tolist()
+
+
+def test_seeded_sampling_is_the_same_alone_in_a_batch_and_after_preemption(make_worker) -> None:
+    w = make_worker()
+    prompt = prompts(w.vocab_size(), [12], seed=4)[0]
+    params = {"temperature": 1.0, "seed": 1234}
+
+    def run(extra: int, preempt: bool) -> list[int]:
+        d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+        d.add("s", prompt, params)
+        for i, p in enumerate(prompts(w.vocab_size(), [5] * extra, seed=5)):
+            d.add(f"o{i}", p, {"temperature": 0.7 + 0.1 * i, "top_k": 5 + i})
+        for _ in range(4):
+            d.step(chunk=16)
+        if preempt:
+            d.preempt("s")
+            d.step(chunk=16, only=[r for r in d.reqs if r != "s"])
+        out = d.run(10, chunk=16)["s"]
+        for rid in list(d.reqs):
+            d.finish(rid)
+        d.step()
+        return out
+
+    alone = run(0, False)
+    assert run(6, False) == alone
+    assert run(6, True) == alone
+    params["seed"] = 4321  # negative control: another seed, other tokens
+    assert run(0, False) != alone
+
+
+def test_internal_error_rolls_back_and_the_worker_keeps_serving(make_worker, oracle_model, monkeypatch) -> None:
+    w = make_worker()
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", list(range(3, 20)))
+    d.step()
+    before = {rid: (s.num_computed_tokens, list(s.output_token_ids), list(s.block_ids)) for rid, s in w.runner.requests.items()}
+    real = w.runner.sampler.sample
+
+    def boom(*args: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(w.runner.sampler, "sample", boom)
+    so = d.build(chunk=16)
+    with pytest.raises(RuntimeError, match="injected"):
+        w.execute_model(so)
+    after = {rid: (s.num_computed_tokens, list(s.output_token_ids), list(s.block_ids)) for rid, s in w.runner.requests.items()}
+    assert after == before
+    monkeypatch.setattr(w.runner.sampler, "sample", real)
+    d.commit(so, w.execute_model(so).to_wire())  # the same step now succeeds
+    assert d.reqs["a"].out == mlx_lm_greedy(oracle_model("builtin:tiny"), list(range(3, 20)), 1)[0]
