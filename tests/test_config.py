@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import pytest
+
+from sidecar.config import Config, ConfigError, from_env
+
+
+def test_replace_validates_keys_types_and_ranges() -> None:
+    cfg = Config().replace(block_size=32, gpu_memory_utilization=1)
+    assert cfg.block_size == 32 and cfg.gpu_memory_utilization == 1.0
+    for bad, key in [({"nope": 1}, "nope"), ({"block_size": "16"}, "block_size"), ({"block_size": True}, "block_size"),
+                     ({"block_size": 0}, "block_size"), ({"kv_dtype": "int8"}, "kv_dtype"),
+                     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization")]:
+        with pytest.raises(ConfigError) as e:
+            Config().replace(**bad)
+        assert e.value.key == key
+
+
+def test_environment_overrides(monkeypatch) -> None:
+    monkeypatch.setenv("MLX_SIDECAR_PORT", "9001")
+    monkeypatch.setenv("MLX_SIDECAR_PRELOAD", "true")
+    monkeypatch.setenv("MLX_SIDECAR_AUTH_TOKEN", "s3cret")
+    cfg = from_env()
+    assert (cfg.port, cfg.preload, cfg.token()) == (9001, True, "s3cret")
+    assert "s3cret" not in repr(cfg)
+    monkeypatch.setenv("MLX_SIDECAR_PORT", "eighty")
+    with pytest.raises(ConfigError) as e:
+        from_env()
+    assert e.value.key == "port"
+
+
+def test_token_file_wins(tmp_path) -> None:
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    assert Config(auth_token="env", auth_token_file=str(f)).token() == "from-file"
