@@ -1,0 +1,416 @@
+"""Batched per-row sampling with vLLM v1 semantics, as one lazy MLX graph per step.
+
+Order (as vLLM's sampler): allowed_token_ids -> bad words -> min_tokens -> logit_bias ->
+repetition/frequency/presence penalties -> greedy argmax | temperature -> min_p -> top_k ->
+top_p -> draw. Logprobs are of the raw logits (vLLM's default ``raw_logprobs``).
+
+Randomness is stateless: row r's noise at vocab index v is a uint32 hash of (key_r, v), where
+key_r is derived from (seed, number of tokens generated so far) for seeded requests, so a seeded
+request draws the same tokens whatever else is in the batch and after a preemption. The draw is
+Gumbel-max over the kept set: a sample from its softmax (exact up to the 24-bit uniforms), with
+no sort. Work no row needs is skipped: masks, penalties, the sort for top-k/top-p, the noise.
+The graph is evaluated once, except that on the CPU backend the top-k/top-p sort runs in numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from sidecar.errors import ProtocolError
+
+_SAMPLING_EPS = 1e-5
+_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None  # k; -1 = whole vocabulary
+    prompt_logprobs: int | None = None  # k; -1 = whole vocabulary
+    max_tokens: int | None = None  # accepted, unused: stops are the scheduler's
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @classmethod
+    def from_wire(cls, d: dict | None, *, vocab_size: int, max_logprobs: int, path: str) -> SamplingParams:
+        """Validate a msgpack/JSON map with vLLM field names; unknown fields are ignored."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ProtocolError("sampling_params must be a map", field=path)
+        f = lambda name: f"{path}.{name}"  # noqa: E731
+        get = lambda name: d.get(name)  # noqa: E731  (null means "default")
+        kw: dict[str, Any] = {}
+
+        def real(name, ok, why):
+            if (v := get(name)) is not None:
+                kw[name] = _check(_real(v, f(name)), ok, why, f(name))
+
+        def integer(name, ok, why):
+            if (v := get(name)) is not None:
+                kw[name] = _check(_int(v, f(name)), ok, why, f(name))
+
+        real("temperature", lambda v: v >= 0, "must be >= 0")
+        real("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
+        integer("top_k", lambda v: v >= -1, "must be >= -1 (0 or -1 disables it)")
+        real("min_p", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+        integer("seed", lambda v: True, "")
+        real("presence_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+        real("frequency_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+        real("repetition_penalty", lambda v: v > 0, "must be > 0")
+        integer("min_tokens", lambda v: v >= 0, "must be >= 0")
+        integer("max_tokens", lambda v: v >= 1, "must be >= 1")
+        for name in ("logprobs", "prompt_logprobs"):  # as vLLM: -1 counts as the vocabulary size
+            integer(name, lambda v: v >= -1, "must be >= -1 (-1: whole vocabulary)")
+            k = vocab_size if kw.get(name) == -1 else kw.get(name, 0)
+            if max_logprobs != -1 and k > max_logprobs:
+                raise ProtocolError(f"{name}={k} is above max_logprobs ({max_logprobs})", field=f(name))
+        if kw.get("max_tokens") is not None and kw.get("min_tokens", 0) > kw["max_tokens"]:
+            raise ProtocolError("min_tokens must be <= max_tokens", field=f("min_tokens"))
+
+        if (bias := get("logit_bias")) is not None:
+            if not isinstance(bias, dict):
+                raise ProtocolError("must be a map of token id to bias", field=f("logit_bias"))
+            kw["logit_bias"] = {}
+            for key, v in bias.items():
+                kf = f"{path}.logit_bias[{key}]"
+                tok = key if isinstance(key, int) and not isinstance(key, bool) else None
+                if isinstance(key, str) and key.strip().isdecimal():
+                    tok = int(key)
+                if tok is None or not 0 <= tok < vocab_size:
+                    raise ProtocolError(f"logit_bias key must be a token id in [0, {vocab_size})", field=kf)
+                kw["logit_bias"][tok] = _real(v, kf)
+        if (allowed := get("allowed_token_ids")) is not None:
+            kw["allowed_token_ids"] = _tokens(allowed, vocab_size, f("allowed_token_ids"))
+            if not allowed:
+                raise ProtocolError("allowed_token_ids must not be empty", field=f("allowed_token_ids"))
+        # A msgspec-encoded vLLM SamplingParams carries these under their private names.
+        name = "bad_words_token_ids" if get("bad_words_token_ids") is not None else "_bad_words_token_ids"
+        if (words := get(name)) is not None:
+            if not isinstance(words, (list, tuple)):
+                raise ProtocolError("must be a list of token id lists", field=f(name))
+            kw["bad_words_token_ids"] = tuple(_tokens(w, vocab_size, f"{f(name)}[{i}]") for i, w in enumerate(words))
+            for i, w in enumerate(kw["bad_words_token_ids"]):
+                if not w:
+                    raise ProtocolError("a bad word must have at least one token", field=f"{f(name)}[{i}]")
+        stops: tuple[int, ...] = ()
+        for name in ("stop_token_ids", "_all_stop_token_ids"):
+            if (v := get(name)) is not None:
+                stops += _tokens(v, vocab_size, f(name))
+        if stops:
+            kw["stop_token_ids"] = tuple(dict.fromkeys(stops))
+        return cls(**kw)
+
+
+def _real(v: Any, field: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ProtocolError("must be a finite number", field=field)
+    return float(v)
+
+
+def _int(v: Any, field: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError("must be an integer", field=field)
+    return v
+
+
+def _check(v, ok, why: str, field: str):
+    if not ok(v):
+        raise ProtocolError(f"{v} {why}", field=field)
+    return v
+
+
+def _tokens(v: Any, vocab_size: int, field: str) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise ProtocolError("must be a list of token ids", field=field)
+    for i, t in enumerate(v):
+        if _int(t, f"{field}[{i}]") < 0 or t >= vocab_size:
+            raise ProtocolError(f"token id {t} outside the vocabulary [0, {vocab_size})", field=f"{field}[{i}]")
+    return tuple(v)
+
+
+@dataclass
+class SamplingRow:
+    """One row of the step's logits."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far (before this step's sample)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprob_token_ids: list[list[int]] | None  # [rows][k+1]: sampled token, then the top-k
+    logprobs: list[list[float]] | None
+    sampled_token_ranks: list[int] | None  # vLLM: number of tokens with logprob >= the sampled one's
+    num_nans: list[int]
+
+
+# ---------------------------------------------------------------- MLX kernels (elementwise ops fuse)
+
+
+@partial(mx.compile, shapeless=True)
+def _penalize(x, out_counts, prompt_counts, rep, freq, pres):
+    r = mx.where(out_counts + prompt_counts > 0, rep, 1.0)
+    x = mx.where(x > 0, x / r, x * r)
+    return x - freq * out_counts - pres * (out_counts > 0)
+
+
+def _fmix32(z):
+    z = (z ^ (z >> 16)) * 0x85EBCA6B
+    z = (z ^ (z >> 13)) * 0xC2B2AE35
+    return z ^ (z >> 16)
+
+
+@partial(mx.compile, shapeless=True)
+def _gumbel_argmax(s, lanes, k1, k2):
+    """argmax(s + Gumbel noise); noise[r, v] = hash(k1[r], k2[r], v) -> uniform -> Gumbel."""
+    z = _fmix32((lanes ^ k1) * 0x9E3779B9 + k2)
+    u = ((z >> 8).astype(mx.float32) + 0.5) * (2.0**-24)
+    return mx.argmax(s - mx.log(-mx.log(u)), axis=-1)
+
+
+def truncate(s: mx.array, min_p: np.ndarray | None = None, top_k: np.ndarray | None = None,
+             top_p: np.ndarray | None = None) -> mx.array:
+    """min_p, then top_k, then top_p (vLLM order) on temperature-scaled logits [R, V]; dropped -> -inf.
+
+    Per-row parameters (None: no row uses it): min_p [R] (0 = off), top_k [R] in [1, V] (V = off),
+    top_p [R] in (0, 1] (1 = off). Tokens are dropped below a per-row threshold, so a token tied
+    with the last kept one is kept too (vLLM drops by sorted position; only exact ties differ).
+    """
+    if min_p is not None:  # prob < min_p * max prob  <=>  s < max(s) + log(min_p)
+        with np.errstate(divide="ignore"):
+            log_min_p = mx.array(np.log(min_p, dtype=np.float32))[:, None]
+        s = mx.where(s < s.max(-1, keepdims=True) + log_min_p, -mx.inf, s)
+    if top_k is None and top_p is None:
+        return s
+    R, V = s.shape
+    k = np.full(R, V, np.int32) if top_k is None else top_k.astype(np.int32)
+    p = np.ones(R, np.float32) if top_p is None else top_p.astype(np.float32)
+    rows = np.flatnonzero((k < V) | (p < 1))  # only these rows are sorted
+    if mx.default_device() == mx.cpu:  # MLX's CPU sort is ~20x slower than numpy's
+        thr = np.full((R, 1), -np.inf, np.float32)
+        thr[rows] = _thresholds_np(np.array(s)[rows], k[rows], p[rows])
+        thr = mx.array(thr)
+    else:
+        idx = mx.array(rows)
+        thr = mx.full((R, 1), -mx.inf, mx.float32)
+        thr[idx] = _thresholds_mx(s[idx], mx.array(k[rows]), mx.array(p[rows]))
+    return mx.where(s < thr, -mx.inf, s)
+
+
+def _thresholds_mx(s: mx.array, k: mx.array, p: mx.array) -> mx.array:
+    """[R, 1] smallest kept logit under top_k then top_p (vLLM: ascending sort, cumsum <= 1 - p)."""
+    V = s.shape[-1]
+    srt = mx.sort(s, axis=-1)
+    thr = mx.take_along_axis(srt, (V - k)[:, None], axis=-1)
+    srt = mx.where(srt < thr, -mx.inf, srt)
+    cum = mx.cumsum(mx.softmax(srt, axis=-1), axis=-1)
+    cut = mx.minimum((cum <= 1 - p[:, None]).sum(-1, keepdims=True), V - 1)  # always keep the top
+    return mx.take_along_axis(srt, cut.astype(mx.int32), axis=-1)
+
+
+def _thresholds_np(s: np.ndarray, k: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """numpy twin of _thresholds_mx (top-k-dropped tokens get probability 0 instead of -inf logits)."""
+    V = s.shape[-1]
+    srt = np.sort(s, axis=-1)
+    thr = np.take_along_axis(srt, (V - k)[:, None], axis=-1)
+    with np.errstate(invalid="ignore"):  # rows that are all -inf
+        e = np.exp(srt - srt[:, -1:]) * (srt >= thr)
+        cum = np.cumsum(e / e.sum(-1, keepdims=True), axis=-1)
+    cut = np.minimum((cum <= 1 - p[:, None]).sum(-1, keepdims=True), V - 1)
+    return np.take_along_axis(srt, cut, axis=-1)
+
+
+def _gather_logprobs(lp: mx.array, ids: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
+    """[N, 1 + k] ids and logprobs (column 0 = ids, then the top-k, best first) and ranks of ids."""
+    tok_lp = mx.take_along_axis(lp, ids[:, None], axis=-1)
+    ranks = (lp >= tok_lp).sum(-1)
+    if k == 0:
+        return ids[:, None], tok_lp, ranks
+    if k >= lp.shape[-1]:
+        top = mx.argsort(-lp, axis=-1)
+    else:
+        top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+        top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(lp, top, axis=-1), axis=-1), axis=-1)
+    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    return mx.concatenate([ids[:, None], top.astype(ids.dtype)], 1), mx.concatenate([tok_lp, top_lp], 1), ranks
+
+
+def _width(k: int, V: int) -> int:
+    return V if k == -1 else min(k, V)
+
+
+def prompt_logprobs(
+    logits: mx.array, target_ids: Sequence[int], k: int
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """For each position i: column 0 = target_ids[i] and its logprob, then the top-k; plus ranks."""
+    if len(target_ids) == 0:
+        return [], [], []
+    x = logits.astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    ids, lps, ranks = _gather_logprobs(lp, mx.array(np.asarray(target_ids, np.int32)), _width(k, x.shape[-1]))
+    mx.eval(ids, lps, ranks)
+    return ids.tolist(), lps.tolist(), ranks.tolist()
+
+
+# ---------------------------------------------------------------- the sampler
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _ids(rows_tokens: list[tuple[int, np.ndarray]], V: int) -> tuple[mx.array, mx.array]:
+    """Flat (row, token) index arrays for a scatter; ids outside [0, V) are dropped."""
+    r = np.concatenate([np.full(len(t), i, np.int32) for i, t in rows_tokens])
+    t = np.concatenate([t for _, t in rows_tokens]).astype(np.int32, copy=False)
+    ok = (t >= 0) & (t < V)
+    return mx.array(r[ok]), mx.array(t[ok])
+
+
+def _counts(rows_tokens: list[tuple[int, np.ndarray]], R: int, V: int) -> mx.array:
+    if not rows_tokens:
+        return mx.zeros((R, V), mx.float32)
+    r, t = _ids(rows_tokens, V)
+    return mx.zeros((R, V), mx.float32).at[r, t].add(1.0)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], seed: int = 0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self._rng = random.Random(seed)
+        self._lanes: mx.array | None = None
+        self._prompts: dict[int, tuple[Sequence[int], int, np.ndarray]] = {}  # id -> (seq, len, unique ids)
+
+    def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampleResult:
+        R, V = logits.shape
+        assert len(rows) == R, (len(rows), R)
+        if R == 0:
+            return SampleResult([], None, None, None, [])
+        ps = [r.params for r in rows]
+        x = logits.astype(mx.float32)
+        out = {"nans": mx.isnan(x).sum(-1)}
+        asks = [_width(p.logprobs, V) for p in ps if p.logprobs is not None]
+        raw = x - mx.logsumexp(x, axis=-1, keepdims=True) if asks else None
+        x = self.process_logits(x, rows)
+        tok = mx.argmax(x, axis=-1).astype(mx.int32)
+        if not all(p.greedy for p in ps):
+            drawn = self._draw(x, rows)
+            tok = mx.where(mx.array([p.greedy for p in ps]), tok, drawn.astype(mx.int32))
+        out["tok"] = tok
+        if raw is not None:
+            out["ids"], out["lps"], out["ranks"] = _gather_logprobs(raw, tok, max(asks))
+        mx.eval(out)
+        res = {k: v.tolist() for k, v in out.items()}
+        return SampleResult(res["tok"], res.get("ids"), res.get("lps"), res.get("ranks"), res["nans"])
+
+    def process_logits(self, x: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
+        """Everything before the greedy argmax: token masks, logit_bias and penalties ([R, V] f32)."""
+        R, V = x.shape
+        x = x.astype(mx.float32)
+        ps = [r.params for r in rows]
+        cache, self._prompts = self._prompts, {}  # prompt ids of the requests still running
+        # allowed_token_ids: the row starts at -inf and its allowed ids are raised back to 0.
+        allowed = [(i, np.asarray(p.allowed_token_ids)) for i, p in enumerate(ps) if p.allowed_token_ids]
+        # bad words, min_tokens (-inf) and logit_bias: one scatter-add.
+        adds: list[tuple[int, int, float]] = []
+        for i, (r, p) in enumerate(zip(rows, ps)):
+            if p.bad_words_token_ids:
+                adds += [(i, t, -math.inf) for t in _bad_words(p.bad_words_token_ids, r.output_token_ids)]
+            if len(r.output_token_ids) < p.min_tokens:
+                adds += [(i, t, -math.inf) for t in (p.stop_token_ids or ()) + self.eos_token_ids]
+            if p.logit_bias:
+                adds += [(i, t, b) for t, b in p.logit_bias.items()]
+        adds = [a for a in adds if 0 <= a[1] < V]
+        if allowed or adds:
+            adj = mx.zeros((R, V), mx.float32)
+            if allowed:
+                col = mx.array([-math.inf if p.allowed_token_ids else 0.0 for p in ps])[:, None]
+                adj = (adj + col).at[_ids(allowed, V)].maximum(0.0)
+            if adds:
+                r, t, b = zip(*adds)
+                adj = adj.at[mx.array(r), mx.array(t)].add(mx.array(b, mx.float32))
+            x = x + adj
+        pen = [i for i, p in enumerate(ps) if p.has_penalties]
+        if pen:
+            outs = [(i, np.asarray(rows[i].output_token_ids, np.int32)) for i in pen]
+            prompts = [(i, self._prompt_ids(rows[i].prompt_token_ids, cache)) for i in pen
+                       if ps[i].repetition_penalty != 1]
+            col = lambda name: mx.array([getattr(p, name) for p in ps], mx.float32)[:, None]  # noqa: E731
+            x = _penalize(x, _counts(outs, R, V), _counts(prompts, R, V), col("repetition_penalty"),
+                          col("frequency_penalty"), col("presence_penalty"))
+        return x
+
+    def _prompt_ids(self, seq: Sequence[int], cache: dict) -> np.ndarray:
+        """Unique prompt ids, cached per prompt object while its request keeps asking for them."""
+        hit = cache.get(id(seq))
+        if hit is None or hit[0] is not seq or hit[1] != len(seq):
+            hit = (seq, len(seq), np.unique(np.asarray(seq, np.int32)))
+        self._prompts[id(seq)] = hit
+        return hit[2]
+
+    def _draw(self, x: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
+        R, V = x.shape
+        ps = [r.params for r in rows]
+        rand = [not p.greedy for p in ps]
+        s = x / mx.array([p.temperature if r else 1.0 for p, r in zip(ps, rand)], mx.float32)[:, None]
+        rnd = np.array(rand)
+        col = lambda name, off: np.where(rnd, [getattr(p, name) for p in ps], off)  # noqa: E731
+        min_p, top_k, top_p = col("min_p", 0.0), col("top_k", V), col("top_p", 1.0)
+        top_k = np.where((top_k > 0) & (top_k < V), top_k, V)
+        s = truncate(s, min_p if min_p.any() else None, top_k if (top_k < V).any() else None,
+                     top_p if (top_p < 1).any() else None)
+        keys = [self._key(r) if g else 0 for r, g in zip(rows, rand)]
+        if self._lanes is None or self._lanes.shape[-1] != V:
+            self._lanes = mx.arange(V, dtype=mx.uint32)[None]
+        k1 = mx.array([k & _M32 for k in keys], mx.uint32)[:, None]
+        k2 = mx.array([k >> 32 for k in keys], mx.uint32)[:, None]
+        return _gumbel_argmax(s, self._lanes, k1, k2)
+
+    def _key(self, row: SamplingRow) -> int:
+        """64-bit noise key: a pure function of (seed, tokens generated) for seeded requests."""
+        seed = row.params.seed
+        if seed is None:
+            return self._rng.getrandbits(64)
+        return _splitmix64(_splitmix64(seed & _M64) ^ len(row.output_token_ids))
+
+
+def _bad_words(words: Sequence[Sequence[int]], past: Sequence[int]) -> list[int]:
+    """vLLM: ban a bad word's last token when the output so far ends with the rest of it."""
+    banned = []
+    for w in words:
+        n = len(w) - 1
+        if n <= len(past) and (n == 0 or list(past[len(past) - n :]) == list(w[:n])):
+            banned.append(w[-1])
+    return banned
