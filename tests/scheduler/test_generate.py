@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from sidecar.models import resolve_model
+from sidecar.scheduler.generate import load_tokenizer
+from tests.conftest import mlx_lm_greedy
+from tests.server.serverproc import start_server
+
+
+def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> None:
+    """`mlx-sidecar generate` against a fresh server (it drives the lifecycle itself) prints the
+    text of exactly mlx-lm's greedy tokens."""
+    tok = load_tokenizer(str(resolve_model("builtin:tiny", home)))
+    prompt = "hello"
+    want_ids, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), tok.encode(prompt).ids, 12)
+    if 1 in want_ids:  # eos (id 1 in the built-in tokenizer) stops the scheduler
+        want_ids = want_ids[: want_ids.index(1) + 1]
+    want = tok.decode(want_ids, skip_special_tokens=True)
+    with start_server() as s:
+        out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12", prompt],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == want + "\n"
+        assert want.strip()
+        again = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12",
+                                "--temperature", "1.0", "--seed", "5", prompt], capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and again.stdout != out.stdout
