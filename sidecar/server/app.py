@@ -1,4 +1,10 @@
-"""The Starlette app: `POST /rpc/{method}`, probes, `/info`, `/metrics`; and `serve()` for uvicorn."""
+"""The Starlette app: `POST /rpc/{method}`, probes, `/info`, `/metrics`; and `serve()` for uvicorn.
+
+Every RPC, rejected ones included, is counted in `rpc_requests_total{method,code}`, logged as one
+line with a request id (echoed in `X-Request-Id`) and answered with the error envelope of §4.
+`/metrics`, `/healthz`, `/readyz` and `/info` never wait on the MLX thread: they read what it
+publishes (see metrics.py).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,11 @@ import contextlib
 import hmac
 import logging
 import os
+import re
+import signal
 import socket
+import stat
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,14 +35,21 @@ import mlx.core as mx
 
 from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Config
-from sidecar.errors import ProtocolError, SidecarError, Unavailable
+from sidecar.errors import SidecarError, Unavailable
 from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body, encode_body
-from sidecar.server.logs import configure_logging
+from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
 from sidecar.worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
+slog = logging.getLogger("sidecar.server")
+
+# An incoming X-Request-Id is reused when it is a plain token (no spaces, quotes or control
+# characters that could forge log lines); anything else is replaced by a fresh id.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
+# Bodies above this are decoded off the event loop, so a big prompt never stalls the probes.
+_DECODE_OFF_LOOP_BYTES = 256 * 1024
 
 
 class PayloadTooLarge(SidecarError):
@@ -55,6 +72,15 @@ class UnknownMethod(SidecarError):
     type = "unknown_method"
 
 
+class MethodNotAllowed(SidecarError):
+    status = 405
+    type = "method_not_allowed"
+
+
+class StartupError(Exception):
+    """A configuration the server refuses to start with; the message says what to do."""
+
+
 @dataclass
 class Sidecar:
     config: Config
@@ -62,61 +88,113 @@ class Sidecar:
     metrics: Metrics
     token: str | None
     thread: MLXThread | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     draining: bool = False
+    deadline: float | None = None  # monotonic time by which shutdown must be complete
+    clean_shutdown: bool = True
     preload_error: str | None = field(default=None)
+    _dropped_queued: bool = False
+
+    def publish(self) -> None:
+        self.metrics.publish(self.worker)
+
+    def begin_drain(self) -> None:
+        """Stop taking RPCs (503) and drop calls that have not started. Safe in a signal handler:
+        it only sets flags and schedules the rest on the event loop."""
+        if self.draining:
+            return
+        self.draining = True
+        self.deadline = time.monotonic() + self.config.shutdown_timeout
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                self.loop.call_soon_threadsafe(self.drop_queued)
+
+    def drop_queued(self) -> None:
+        """Once per shutdown, on the event loop: queued calls get 503 (they never ran)."""
+        if not self._dropped_queued and self.thread is not None:
+            self._dropped_queued = True
+            self.thread.cancel_queued("the worker is shutting down")
 
 
-def create_app(config: Config, *, worker: MLXWorker | None = None, registry: CollectorRegistry | None = None) -> Starlette:
+def create_app(config: Config, *, worker: MLXWorker | None = None, registry: CollectorRegistry | None = None,
+               token: str | None = None) -> Starlette:
+    """The app. `token` overrides the one from `config` (serve() reads and checks it once)."""
     worker = worker or MLXWorker(config)
-    sc = Sidecar(config, worker, Metrics(registry or CollectorRegistry(), lambda: sc.worker), config.token())
+    metrics_ = Metrics(registry or CollectorRegistry(), lambda: sc.worker)
+    sc = Sidecar(config, worker, metrics_, token if token is not None else load_token(config))
+    sc.publish()  # before the MLX thread exists, this thread owns the worker
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        sc.thread = MLXThread(config.max_queue)
+        sc.loop = asyncio.get_running_loop()
+        sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
         if config.preload:
             sc.thread.submit(lambda: _preload(sc))
         try:
             yield
         finally:
-            sc.draining = True
+            sc.begin_drain()
             await _drain(sc)
 
     async def rpc(request: Request) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        method = request.path_params["method"]
         t0 = time.perf_counter()
+        rid = _request_id(request.headers.get("x-request-id"))
+        method = request.path_params["method"]
+        label = method if method in METHODS else "unknown"
         in_type = _media_type(request.headers.get("content-type", ""))
         as_msgpack = _wants_msgpack(request.headers.get("accept", ""), in_type)
-        label, status = (method if method in METHODS else "unknown"), 200
-        headers: dict[str, str] = {}
+        status, error_type = 200, None
+        headers = {"x-request-id": rid}
         try:
             _authorize(sc, request)
-            if method not in METHODS:
-                raise UnknownMethod(f"unknown method {method!r}")
-            if sc.draining:
+            if label == "unknown":
+                raise UnknownMethod(f"unknown method {method[:64]!r}")
+            if request.method != "POST":
+                headers["allow"] = "POST"
+                raise MethodNotAllowed(f"{request.method} is not allowed; RPCs are POST /rpc/{method}")
+            if sc.draining or sc.thread is None:
                 raise Unavailable("the worker is shutting down", retry_after=5)
+            if in_type and in_type not in MSGPACK_TYPES and in_type != JSON_TYPE:
+                raise UnsupportedMediaType(f"content type {in_type[:64]!r} is not msgpack or JSON")
             body = await _read_body(request, config.max_body_bytes)
-            if body and in_type not in MSGPACK_TYPES and in_type != JSON_TYPE:
-                raise UnsupportedMediaType(f"content type {in_type!r} is not msgpack or JSON")
-            call = bind_kwargs(sc.worker, method, decode_body(body, in_type))
-            assert sc.thread is not None
+            if body and not in_type:
+                raise UnsupportedMediaType("a body needs Content-Type application/msgpack or application/json")
+            if len(body) > _DECODE_OFF_LOOP_BYTES:
+                kwargs = await asyncio.to_thread(decode_body, body, in_type)
+            else:
+                kwargs = decode_body(body, in_type)
+            call = bind_kwargs(sc.worker, method, kwargs)
             result = await sc.thread.call(_with_step_metrics(sc, method, call), config.call_timeout)
             payload: Any = {"result": result}
         except SidecarError as e:
-            status, payload = e.status, e.to_wire()
-            if status >= 500:
-                sc.metrics.observe_error(e.type)
+            status, error_type, payload = e.status, e.type, e.to_wire()
             if e.retry_after:
-                headers["retry-after"] = str(int(e.retry_after))
+                headers["retry-after"] = str(max(1, int(e.retry_after)))
+            if status == 401:
+                headers["www-authenticate"] = "Bearer"
+        except asyncio.CancelledError:
+            if not sc.draining:
+                raise
+            # The shutdown timeout ran out while this call was running: answer instead of letting
+            # the server send a bare 500. The worker's state does not survive the exit anyway.
+            status, error_type = 503, "unavailable"
+            payload = Unavailable("the worker shut down before the call finished (shutdown timeout); "
+                                  "its outcome is unknown", retry_after=5).to_wire()
+            headers["retry-after"] = "5"
         except Exception as e:  # noqa: BLE001 - mapped to a 500 envelope; the worker rolled back
-            status, payload = 500, {"error": {"type": "internal_error", "message": f"{type(e).__name__}: {e}", "field": None}}
-            sc.metrics.observe_error("internal_error")
-            log.exception("rpc %s failed", method, extra={"request_id": rid, "method": method})
+            status, error_type = 500, "internal_error"
+            payload = {"error": {"type": error_type, "message": f"{type(e).__name__}: {e}", "field": None}}
+            log.exception("rpc %s failed", label, extra={"request_id": rid, "method": label})
         dt = time.perf_counter() - t0
         sc.metrics.observe_rpc(label, status, dt)
-        log.log(logging.ERROR if status >= 500 and status != 503 else logging.INFO, "rpc", extra={
-            "request_id": rid, "method": label, "status": status, "duration_ms": round(dt * 1e3, 3)})
-        headers["x-request-id"] = rid
+        if error_type is not None:
+            sc.metrics.observe_error(error_type)
+        level = logging.ERROR if status == 500 else logging.WARNING if status >= 500 else logging.INFO
+        if log.isEnabledFor(level):
+            extra = {"request_id": rid, "method": label, "status": status, "duration_ms": round(dt * 1e3, 3)}
+            if error_type is not None:
+                extra["error"] = error_type
+            log.log(level, "rpc", extra=extra)
         return Response(encode_body(payload, as_msgpack), status_code=status, headers=headers,
                         media_type=MSGPACK_TYPES[0] if as_msgpack else JSON_TYPE)
 
@@ -125,8 +203,9 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
 
     async def readyz(request: Request) -> Response:
         w = sc.worker
-        ready = w.state in (State.CACHE_READY, State.READY) and w.healthy and not sc.draining
-        body = {"ready": ready, "state": w.state.value, "healthy": w.healthy, "draining": sc.draining}
+        state = w.state
+        ready = state in (State.CACHE_READY, State.READY) and w.healthy and not sc.draining
+        body = {"ready": ready, "state": state.value, "healthy": w.healthy, "draining": sc.draining}
         if sc.preload_error:
             body["preload_error"] = sc.preload_error
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -134,17 +213,14 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def info(request: Request) -> Response:
         if config.protect_metrics:
             _authorize(sc, request)
-        w = sc.worker
-        runner = w.runner
+        snap, thread = sc.metrics.snapshot, sc.thread
         return JSONResponse({
-            "version": __version__, "protocol_version": PROTOCOL_VERSION, "state": w.state.value,
-            "model": w.config.model, "model_path": str(w.model_path) if w.model_path else None,
-            "device": w.device, "mlx_version": mx.__version__,
-            "kv_cache_spec": {f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(runner.specs)} if runner else None,
-            "num_blocks": runner.num_blocks if runner else 0,
-            "block_size": w.config.block_size,
-            "max_model_len": runner.max_model_len if runner else None,
-            "vocab_size": runner.vocab_size if runner else None,
+            "version": __version__, "protocol_version": PROTOCOL_VERSION, "state": sc.worker.state.value,
+            "model": snap.model, "model_path": snap.model_path, "device": snap.device, "mlx_version": mx.__version__,
+            "kv_cache_spec": snap.kv_cache_spec, "num_blocks": snap.num_blocks, "block_size": snap.block_size,
+            "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
+            "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
+            "draining": sc.draining,
         })
 
     async def metrics(request: Request) -> Response:
@@ -156,28 +232,35 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        if request.url.path.startswith("/rpc/"):
-            sc.metrics.observe_rpc("unknown", exc.status_code, 0.0)
         return JSONResponse({"error": {"type": kind, "message": exc.detail, "field": None}}, status_code=exc.status_code,
                             headers=exc.headers)
 
-    async def auth_error(request: Request, exc: Exception) -> Response:
+    async def sidecar_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, SidecarError)
-        return JSONResponse(exc.to_wire(), status_code=exc.status)
+        headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.to_wire(), status_code=exc.status, headers=headers)
 
     app = Starlette(
         routes=[
-            Route("/rpc/{method}", rpc, methods=["POST"]),
+            # Every verb and every name under /rpc/ reaches the handler, so 404s and 405s are
+            # counted, logged and answered like any other RPC.
+            Route("/rpc/{method:path}", rpc, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/info", info, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
-        exception_handlers={HTTPException: http_error, SidecarError: auth_error},
+        exception_handlers={HTTPException: http_error, SidecarError: sidecar_error},
     )
     app.state.sidecar = sc
     return app
+
+
+def _request_id(given: str | None) -> str:
+    if given and _REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex[:16]
 
 
 def _media_type(value: str) -> str:
@@ -198,8 +281,10 @@ def _authorize(sc: Sidecar, request: Request) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    # Constant-time comparison; the same terse answer for a missing and a wrong token.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), sc.token.encode()):
+    # Constant-time comparison of bytes (compare_digest on str rejects non-ASCII); the same
+    # terse answer for a missing, malformed and wrong token.
+    ok = hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), sc.token.encode())
+    if scheme.lower() != "bearer" or not ok:
         raise Unauthorized("missing or invalid bearer token")
 
 
@@ -232,68 +317,176 @@ def _with_step_metrics(sc: Sidecar, method: str, call: Any) -> Any:
 
 def _preload(sc: Sidecar) -> None:
     try:
-        preload(sc.worker)
+        preload(sc.worker, after_each=sc.publish)
     except Exception as e:  # noqa: BLE001 - reported by /readyz; the scheduler may still drive the lifecycle
         sc.preload_error = f"{type(e).__name__}: {e}"
-        logging.getLogger("sidecar").exception("preload failed")
+        sc.metrics.observe_error("preload")
+        slog.exception("preload failed")
 
 
-def preload(worker: MLXWorker) -> None:
+def preload(worker: MLXWorker, after_each: Any = None) -> None:
     """Drive the lifecycle to `ready` with a pool sized for max_num_seqs full-length requests."""
     cfg = worker.config
+    step = after_each or (lambda: None)
     worker.init_device()
+    step()
     worker.load_model()
+    step()
     free = worker.determine_available_memory()
     per_block = worker.get_cache_block_size_bytes()
     assert worker.runner is not None
     want = -(-worker.runner.max_model_len // cfg.block_size) * cfg.max_num_seqs
     worker.initialize_cache(max(1, min(free // per_block, want)), 0)
+    step()
     worker.compile_or_warm_up_model()
     worker.check_health()
+    slog.info("preload: ready with %d KV blocks", worker.runner.num_blocks if worker.runner else 0)
 
 
 async def _drain(sc: Sidecar) -> None:
-    """Let the in-flight call finish, free MLX memory on its own thread, stop the thread."""
+    """Shutdown, bounded by `sc.deadline`: wait for the running call, free MLX memory on the MLX
+    thread (worker.shutdown), stop the thread. Sets `sc.clean_shutdown` False when time ran out."""
     thread = sc.thread
     if thread is None:
         return
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(thread.call(sc.worker.shutdown, sc.config.shutdown_timeout), sc.config.shutdown_timeout)
-    await asyncio.get_running_loop().run_in_executor(None, thread.stop, sc.config.shutdown_timeout)
+
+    def remaining() -> float:
+        return max(0.5, (sc.deadline or time.monotonic()) - time.monotonic())
+
+    sc.drop_queued()  # now, so that the scheduled drop cannot hit the worker.shutdown queued below
+    slog.info("shutting down: waiting up to %.3gs for the running call", remaining())
+    try:
+        budget = remaining()
+        await asyncio.wait_for(thread.call(sc.worker.shutdown, budget), budget)
+        slog.info("shutdown: worker freed, MLX active memory %d bytes", mx.get_active_memory())
+    except (asyncio.TimeoutError, Unavailable):
+        sc.clean_shutdown = False
+        slog.error("shutdown: a call was still running after the %gs shutdown timeout", sc.config.shutdown_timeout)
+    except Exception:  # noqa: BLE001 - still stop the thread
+        sc.clean_shutdown = False
+        slog.exception("shutdown: freeing the worker failed")
+    thread.stop()
+    if not await asyncio.get_running_loop().run_in_executor(None, thread.join, remaining()):
+        sc.clean_shutdown = False
+
+
+def load_token(config: Config) -> str | None:
+    """The bearer token, checked: a configured but empty or unreadable token is an error, never
+    a silently open server."""
+    if config.auth_token_file:
+        try:
+            with open(config.auth_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise StartupError(f"cannot read --auth-token-file {config.auth_token_file}: {e.strerror}") from None
+        if not token:
+            raise StartupError(f"--auth-token-file {config.auth_token_file} is empty")
+        mode = os.stat(config.auth_token_file).st_mode
+        if mode & 0o077:
+            slog.warning("the token file %s is readable by other users (mode %o); chmod 600 it",
+                         config.auth_token_file, stat.S_IMODE(mode))
+        return token
+    if config.auth_token is not None:
+        token = config.auth_token.strip()
+        if not token:
+            raise StartupError("MLX_SIDECAR_AUTH_TOKEN is set but empty; unset it or give a token")
+        return token
+    return None
+
+
+def check_bind(config: Config, token: str | None) -> None:
+    if config.uds or token is not None or config.allow_insecure or _is_loopback(config.host):
+        return
+    raise StartupError(
+        f"refusing to bind {config.host} (not a loopback address) without an auth token: "
+        "set --auth-token-file or MLX_SIDECAR_AUTH_TOKEN, or pass --allow-insecure to override")
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening-ready Unix socket at `path` with mode 0600 (only the owner may connect). A stale
+    socket file is replaced; a live one (another server) or any other kind of file is an error."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise StartupError(f"--uds {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: nobody is listening
+        else:
+            raise StartupError(f"--uds {path}: another process is serving on it")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # created 0600 from the start: no window in which others may connect
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"--uds {path}: {e.strerror}") from None
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    return sock
 
 
 def serve(config: Config) -> int:
+    """Run until SIGTERM/SIGINT. Exit status: 0 after a clean shutdown, 1 when the shutdown
+    timeout ran out (or a second SIGINT forced it), 2 for a configuration refused at start-up."""
     import uvicorn
 
-    configure_logging(config.log_level, config.log_format)
-    if config.auth_token is None and config.auth_token_file is None and not config.uds and not config.allow_insecure:
-        if not _is_loopback(config.host):
-            logging.getLogger("sidecar").error(
-                "refusing to bind %s without an auth token (--auth-token-file or MLX_SIDECAR_AUTH_TOKEN); "
-                "pass --allow-insecure to override", config.host)
-            return 2
-    app = create_app(config)
+    try:
+        configure_logging(config.log_level, config.log_format)
+    except ValueError as e:
+        print(f"mlx-sidecar: {e}", file=sys.stderr)
+        return 2
+    try:
+        token = load_token(config)
+        check_bind(config, token)
+        sock = bind_unix_socket(config.uds) if config.uds else None
+    except StartupError as e:
+        slog.error("%s", e)
+        return 2
+    if token is not None:
+        add_secret(token)
+    app = create_app(config, token=token)
+    sc: Sidecar = app.state.sidecar
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                        timeout_graceful_shutdown=int(config.shutdown_timeout), lifespan="on", log_config=None)
+                        timeout_graceful_shutdown=max(0.1, config.shutdown_timeout),  # type: ignore[arg-type]
+                        lifespan="on", log_config=None)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            app.state.sidecar.draining = True  # new RPCs get 503 while the in-flight step finishes
-            super().handle_exit(sig, frame)
+            # Not uvicorn's: it re-raises the signal after shutdown, so the process would die of
+            # SIGTERM (or KeyboardInterrupt) instead of exiting 0 once drained.
+            sc.begin_drain()  # new RPCs get 503 while the in-flight step finishes
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting
+            self.should_exit = True  # (no logging here: a signal handler must not take the handler lock)
 
     server = Server(uv)
-    sockets = None
-    if config.uds:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(config.uds)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # created 0600: only the owner may connect
-        try:
-            sock.bind(config.uds)
-        finally:
-            os.umask(old)
-        sockets = [sock]
-    server.run(sockets=sockets)
+    if sock is not None:
+        slog.info("serving on unix socket %s", config.uds)
+    else:
+        slog.info("serving on http://%s:%d", config.host, config.port)
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        if config.uds:
+            with contextlib.suppress(OSError):
+                os.unlink(config.uds)
+    if not server.started:
+        return 1
+    if server.force_exit or not sc.clean_shutdown:
+        # The MLX thread may still be inside a computation: do not run interpreter finalisation
+        # (and MLX's static destructors) under it.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 

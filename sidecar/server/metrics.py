@@ -1,12 +1,22 @@
 """Prometheus metrics (prefix `mlx_worker_`, DESIGN §8) on an injected registry.
 
-Gauges are computed at scrape time from plain attributes the MLX thread publishes, so a scrape
-never waits for a step. Counters and histograms are observed where the events happen.
+A scrape never waits for the MLX thread and never walks structures that thread mutates:
+
+- after every call it runs, the MLX thread publishes a `Snapshot` (an immutable object swapped in
+  with one attribute assignment) holding everything derived from the runner and the pool;
+- scalar worker attributes (`state`, `healthy`, `last_health_check`) are read directly: each is
+  one attribute read, atomic under the GIL;
+- MLX memory counters are read live (they are plain allocator counters, no device sync), so they
+  move during a long step; MLX releases the GIL inside `eval`, so the scrape thread runs freely.
+
+Counters and histograms are observed where the events happen (RPCs on the event loop, steps on
+the MLX thread); prometheus-client's children are thread-safe.
 """
 
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -18,83 +28,165 @@ from sidecar import __version__
 from sidecar.runner.model_runner import StepStats
 from sidecar.worker import MLXWorker, State, device_memory_bytes
 
-# Buckets for what we see: sub-millisecond RPCs up to multi-second prefills on big models.
+PREFIX = "mlx_worker_"
+
+# Histogram buckets (seconds), for what we see: sub-millisecond RPCs (check_health, small JSON
+# calls) up to multi-second prefills and minute-long model loads on big models. 0.5, 2.5 and 5 are
+# referenced by deploy/prometheus/alerts.yml (step latency p99 > 2 s).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Time to first token spans queueing plus prefill: tens of milliseconds to minutes.
+# Time to first token spans queueing in the scheduler plus prefill: tens of milliseconds to minutes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384 tokens per step
-BATCH_BUCKETS = tuple(float(2**i) for i in range(10))  # 1 .. 512 rows per step
+# Tokens per step: powers of two, 1 .. 16384 (decode batches low, prefill chunks high).
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))
+# Requests per step: powers of two, 1 .. 512.
+BATCH_BUCKETS = tuple(float(2**i) for i in range(10))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the MLX thread publishes after each call; read by scrapes and /info, never mutated."""
+
+    model: str = ""
+    model_path: str | None = None
+    dtype: str = ""
+    device: str = "none"
+    memory_total_bytes: int = 0
+    weights_bytes: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    block_size_bytes: int = 0
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    kv_cache_spec: dict | None = None
+    # One block table per running request. The tables are the runner's own lists, referenced, not
+    # copied (publishing stays O(requests) per step); the scrape counts distinct blocks over them.
+    # Iterating a list another thread appends to is safe in CPython, and the runner replaces tables
+    # rather than editing them.
+    block_tables: tuple[list[int], ...] = field(default=())
+
+    @classmethod
+    def of(cls, w: MLXWorker) -> Snapshot:
+        """Build on the thread that owns the worker (the MLX thread, or the creator before it starts)."""
+        runner = w.runner
+        specs = list(runner.specs) if runner is not None else []
+        pool = runner.pool if runner is not None else None
+        return cls(
+            model=w.config.model,
+            model_path=str(w.model_path) if w.model_path else None,
+            dtype=specs[0].dtype if specs else "",
+            device=w.device,
+            memory_total_bytes=device_memory_bytes() if w.device != "none" else 0,
+            weights_bytes=w.weights_bytes if w.model is not None else 0,
+            num_blocks=pool.num_blocks if pool is not None else 0,
+            block_size=w.config.block_size,
+            block_size_bytes=sum(s.page_size_bytes for s in specs),
+            max_model_len=runner.max_model_len if runner is not None else None,
+            vocab_size=runner.vocab_size if runner is not None else None,
+            kv_cache_spec={f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(specs)} if specs else None,
+            block_tables=tuple(s.block_ids for s in runner.requests.values()) if runner is not None and pool else (),
+        )
+
+    def blocks_used(self) -> int:
+        return len(set().union(*self.block_tables)) if self.block_tables else 0
 
 
 class WorkerCollector(Collector):
-    def __init__(self, worker: Callable[[], MLXWorker]):
+    """The gauges of §8, computed at scrape time from the published snapshot."""
+
+    def __init__(self, metrics: Metrics, worker: Callable[[], MLXWorker]):
+        self._metrics = metrics
         self._worker = worker
 
     def collect(self) -> Iterator[Metric]:
         w = self._worker()
-        p = "mlx_worker_"
+        snap = self._metrics.snapshot
+        p = PREFIX
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(p + name, doc, value=value)
 
-        info = GaugeMetricFamily(p + "info", "Worker build and model information",
+        info = GaugeMetricFamily(p + "info", "Worker build and model information (always 1)",
                                  labels=["model", "dtype", "device", "mlx_version", "version"])
-        dtype = w.runner.specs[0].dtype if w.runner else ""
-        info.add_metric([w.config.model, dtype, w.device, mx.__version__, __version__], 1)
+        info.add_metric([snap.model, snap.dtype, snap.device, mx.__version__, __version__], 1)
         yield info
-        state = GaugeMetricFamily(p + "state", "Lifecycle state (1 for the current state)", labels=["state"])
+        current = w.state  # one read: the gauge shows exactly one state
+        state = GaugeMetricFamily(p + "state", "Lifecycle state (1 for the current state, 0 for the others)", labels=["state"])
         for s in State:
-            state.add_metric([s.value], 1.0 if w.state == s else 0.0)
+            state.add_metric([s.value], 1.0 if current == s else 0.0)
         yield state
         yield gauge("healthy", "1 when the last health check passed", 1.0 if w.healthy else 0.0)
-        yield gauge("memory_active_bytes", "MLX active memory", mx.get_active_memory())
-        yield gauge("memory_peak_bytes", "MLX peak memory since start or the last reset", mx.get_peak_memory())
-        yield gauge("memory_cache_bytes", "MLX allocator cache", mx.get_cache_memory())
+        yield gauge("memory_active_bytes", "MLX active (allocated) memory", mx.get_active_memory())
+        yield gauge("memory_peak_bytes", "MLX peak active memory since start or the last reset", mx.get_peak_memory())
+        yield gauge("memory_cache_bytes", "MLX allocator cache (freed, not yet returned)", mx.get_cache_memory())
         yield gauge("memory_limit_bytes", "MLX memory limit", mx.get_memory_limit())
-        yield gauge("memory_total_bytes", "Device memory", device_memory_bytes())
-        yield gauge("model_weights_bytes", "Bytes of the loaded weights", w.weights_bytes)
-        runner = w.runner
-        blocks = runner.num_blocks if runner else 0
-        states = list(runner.requests.values()) if runner else []  # one C-level copy: atomic under the GIL
-        used = len({b for s in states for b in s.block_ids})
+        yield gauge("memory_total_bytes", "Device memory (the recommended working set on Metal, physical memory on CPU)",
+                    snap.memory_total_bytes)
+        yield gauge("model_weights_bytes", "Bytes of the loaded weights", snap.weights_bytes)
+        blocks, used = snap.num_blocks, snap.blocks_used()
         yield gauge("kv_cache_blocks", "KV cache blocks in the pool", blocks)
-        yield gauge("kv_cache_blocks_used", "Blocks referenced by running requests", used)
+        yield gauge("kv_cache_blocks_used", "Distinct blocks referenced by the requests the worker holds", used)
         yield gauge("kv_cache_usage_ratio", "kv_cache_blocks_used / kv_cache_blocks", used / blocks if blocks else 0.0)
-        yield gauge("kv_cache_block_size_bytes", "Bytes of one block across all layers (K and V)",
-                    sum(s.page_size_bytes for s in runner.specs) if runner else 0)
-        yield gauge("running_requests", "Requests the worker holds state for", len(states))
-        yield gauge("last_step_duration_seconds", "Duration of the last execute_model",
-                    runner.last_stats.seconds if runner else 0.0)
-        yield gauge("last_health_check_timestamp_seconds", "Unix time of the last health check", w.last_health_check)
+        yield gauge("kv_cache_block_size_bytes", "Bytes of one block across all layers (K and V)", snap.block_size_bytes)
+        yield gauge("running_requests", "Requests the worker holds state for", len(snap.block_tables))
+        yield gauge("last_step_duration_seconds", "Duration of the last execute_model that ran a forward pass",
+                    self._metrics.last_step_seconds)
+        yield gauge("last_health_check_timestamp_seconds", "Unix time of the last health check (0: never)",
+                    w.last_health_check)
+
+
+class _WithoutCreated(Collector):
+    """The families of an inner registry minus their `_created` samples, which the text format
+    would expose as extra gauge families (`mlx_worker_steps_created`, ...) beyond §8's list."""
+
+    def __init__(self, inner: CollectorRegistry):
+        self._inner = inner
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self._inner.collect():
+            fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+            yield fam
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, worker: Callable[[], MLXWorker]):
+    def __init__(self, registry: CollectorRegistry, worker: Callable[[], MLXWorker], *, process: bool = True):
         self.registry = registry
-        p = "mlx_worker_"
-        self.rpc_requests = Counter(p + "rpc_requests", "RPC calls by method and HTTP status", ["method", "code"], registry=registry)
-        self.rpc_duration = Histogram(p + "rpc_duration_seconds", "RPC wall time", ["method"],
-                                      buckets=LATENCY_BUCKETS, registry=registry)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens computed", registry=registry)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens sampled", registry=registry)
-        self.steps = Counter(p + "steps", "execute_model steps", registry=registry)
-        self.errors = Counter(p + "errors", "Errors by type", ["type"], registry=registry)
+        self.snapshot = Snapshot()
+        self.last_step_seconds = 0.0
+        p = PREFIX
+        events = CollectorRegistry()  # the counters and histograms, exposed through registry
+        self.rpc_requests = Counter(p + "rpc_requests", "RPC calls by method and HTTP status, rejected ones included "
+                                    "(method=\"unknown\" for names outside the allow-list)", ["method", "code"],
+                                    registry=events)
+        self.rpc_duration = Histogram(p + "rpc_duration_seconds", "RPC wall time, queueing included", ["method"],
+                                      buckets=LATENCY_BUCKETS, registry=events)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens computed", registry=events)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens sampled", registry=events)
+        self.steps = Counter(p + "steps", "execute_model calls that ran a forward pass", registry=events)
+        self.errors = Counter(p + "errors", "Error replies by error type, plus start-up preload failures (type=\"preload\")",
+                              ["type"], registry=events)
         self.step_duration = Histogram(p + "step_duration_seconds", "execute_model compute time",
-                                       buckets=LATENCY_BUCKETS, registry=registry)
-        self.step_tokens = Histogram(p + "step_tokens", "Tokens per step", buckets=TOKEN_BUCKETS, registry=registry)
-        self.step_batch_size = Histogram(p + "step_batch_size", "Requests per step", buckets=BATCH_BUCKETS, registry=registry)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "From a request's first sight to its first token",
-                              buckets=TTFT_BUCKETS, registry=registry)
-        registry.register(WorkerCollector(worker))
-        ProcessCollector(registry=registry)
-        if platform.system() != "Windows":
-            PlatformCollector(registry=registry)
+                                       buckets=LATENCY_BUCKETS, registry=events)
+        self.step_tokens = Histogram(p + "step_tokens", "Tokens computed per step", buckets=TOKEN_BUCKETS, registry=events)
+        self.step_batch_size = Histogram(p + "step_batch_size", "Requests per step", buckets=BATCH_BUCKETS, registry=events)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "From a request's first sight to its first sampled token",
+                              buckets=TTFT_BUCKETS, registry=events)
+        registry.register(_WithoutCreated(events))
+        registry.register(WorkerCollector(self, worker))
+        if process:  # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
+            ProcessCollector(registry=registry)
+            if platform.system() != "Windows":
+                PlatformCollector(registry=registry)
+        # Label children are created once and reused (the label values come from closed sets:
+        # the allow-list plus "unknown", the HTTP statuses we send, the error envelope types).
         self._rpc: dict[tuple[str, int], Counter] = {}
         self._dur: dict[str, Histogram] = {}
         self._err: dict[str, Counter] = {}
 
+    def publish(self, worker: MLXWorker) -> None:
+        """Called on the thread that owns the worker after each call: one atomic swap."""
+        self.snapshot = Snapshot.of(worker)
+
     def observe_rpc(self, method: str, code: int, seconds: float) -> None:
-        # Label children are created once and reused.
         child = self._rpc.get((method, code))
         if child is None:
             child = self._rpc[(method, code)] = self.rpc_requests.labels(method, str(code))
@@ -111,6 +203,7 @@ class Metrics:
         child.inc()
 
     def observe_step(self, stats: StepStats) -> None:
+        self.last_step_seconds = stats.seconds
         self.steps.inc()
         self.step_duration.observe(stats.seconds)
         self.step_tokens.observe(stats.num_tokens)

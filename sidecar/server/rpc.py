@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import logging
 import queue
 import threading
 import time
@@ -12,6 +13,8 @@ from typing import Any, Callable
 
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
 from sidecar.worker import ALLOWED, MLXWorker
+
+log = logging.getLogger("sidecar.rpc")
 
 # The allow-list: exactly the lifecycle methods of DESIGN §5, nothing else reachable by name.
 METHODS = tuple(ALLOWED)
@@ -38,21 +41,28 @@ def to_wire(value: Any) -> Any:
     return value
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: a job is found in the queue by `is`, never by value
 class _Job:
     fn: Callable[[], Any]
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None
     future: asyncio.Future | None
     cancelled: bool = False
 
 
 class MLXThread:
-    """One thread runs every MLX call, in arrival order; a bounded queue in front of it."""
+    """One thread runs every MLX call, in arrival order, behind a bounded queue.
 
-    def __init__(self, max_queue: int):
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
+    `call` and `submit` are used from the event loop thread only, so the bound needs no lock of its
+    own. The thread publishes the worker's state after every job through `after_job`.
+    """
+
+    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None):
+        self.max_queue = max_queue
+        self._after_job = after_job
+        self._queue: queue.Queue[_Job | None] = queue.Queue()  # bounded by `call`; the stop sentinel always fits
+        self._stopping = False
+        self.busy_since: float | None = None  # monotonic start of the running job, None when idle
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
-        self.busy_since: float | None = None
         self._thread.start()
 
     def _loop(self) -> None:
@@ -66,43 +76,77 @@ class MLXThread:
                 result, error = None, e
             finally:
                 self.busy_since = None
-            if job.future is not None:
-                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            if self._after_job is not None:
+                try:
+                    self._after_job()
+                except Exception:  # noqa: BLE001 - publishing must never stop the worker
+                    log.exception("publishing the worker state failed")
+            if job.future is not None and job.loop is not None:
+                try:
+                    job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+                except RuntimeError:  # the loop is closed: nobody is waiting any more
+                    pass
 
     async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run fn on the MLX thread. A call still queued after `timeout` is dropped (503); once
-        started it runs to the end, since abandoning a step would desynchronise the scheduler."""
+        started it runs to the end, since abandoning a step would desynchronise the scheduler.
+        If the awaiting task is cancelled while the job is still queued, the job never runs."""
+        if self._stopping:
+            raise Unavailable("the worker is shutting down", retry_after=5)
+        if self._queue.qsize() >= self.max_queue:
+            raise Unavailable(f"the worker's queue is full ({self.max_queue} calls waiting)", retry_after=1)
         loop = asyncio.get_running_loop()
         job = _Job(fn, loop, loop.create_future())
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise Unavailable("the worker's queue is full", retry_after=1) from None
+        self._queue.put_nowait(job)
         try:
             return await asyncio.wait_for(asyncio.shield(job.future), timeout)
         except asyncio.TimeoutError:
             if not self._cancel_if_queued(job):
                 return await job.future
             raise Unavailable(f"the call waited {timeout:g}s for the worker and was dropped", retry_after=1) from None
+        except asyncio.CancelledError:
+            self._cancel_if_queued(job)
+            raise
 
     def submit(self, fn: Callable[[], Any]) -> None:
         """Fire and forget (start-up preload); fn reports its own errors."""
-        self._queue.put_nowait(_Job(fn, asyncio.get_running_loop(), None))
+        self._queue.put_nowait(_Job(fn, None, None))
 
     def _cancel_if_queued(self, job: _Job) -> bool:
         # Under the queue's own lock, so the thread cannot take the job between check and mark.
         with self._queue.mutex:
-            if job in self._queue.queue:
+            if any(j is job for j in self._queue.queue):
                 job.cancelled = True
                 return True
         return False
 
+    def cancel_queued(self, message: str) -> int:
+        """Drop every call that has not started; each gets 503 (it never ran). Returns how many."""
+        with self._queue.mutex:
+            jobs = [j for j in self._queue.queue if j is not None and not j.cancelled]
+            for j in jobs:
+                j.cancelled = True
+        for j in jobs:
+            if j.future is not None and j.loop is not None:
+                j.loop.call_soon_threadsafe(_settle, j.future, None, Unavailable(message, retry_after=5))
+        return len(jobs)
+
     def depth(self) -> int:
         return self._queue.qsize()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        self._queue.put(None)
+    @property
+    def busy(self) -> bool:
+        return self.busy_since is not None
+
+    def stop(self) -> None:
+        """Ask the thread to exit after the jobs already queued; never blocks."""
+        self._stopping = True
+        self._queue.put_nowait(None)
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the thread to exit; True when it did."""
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
