@@ -66,6 +66,9 @@ class Config:
             ("log_format", self.log_format in ("text", "json"), "must be text or json"),
             ("max_queue", self.max_queue >= 1, "must be >= 1"),
             ("call_timeout", self.call_timeout > 0, "must be > 0"),
+            ("shutdown_timeout", self.shutdown_timeout > 0, "must be > 0"),
+            ("max_body_bytes", self.max_body_bytes >= 1, "must be >= 1"),
+            ("log_level", self.log_level.lower() in LOG_LEVELS, "must be one of " + "|".join(LOG_LEVELS)),
         ]
         for key, ok, why in checks:
             if not ok:
@@ -76,7 +79,10 @@ class Config:
         if self.auth_token_file:
             with open(self.auth_token_file, encoding="utf-8") as f:
                 return f.read().strip() or None
-        return self.auth_token
+        return (self.auth_token or "").strip() or None
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 class ConfigError(ValueError):

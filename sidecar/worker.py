@@ -348,6 +348,7 @@ class MLXWorker:
             self.runner.free()
         self.runner = self.model = None
         self.model_config = {}
+        self.weights_bytes = 0
         mx.clear_cache()
         log.info("shutdown: active memory %d bytes", mx.get_active_memory())
         self.state = S.SHUT_DOWN
