@@ -56,6 +56,7 @@ class RemoteWorker:
             self._headers["authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
         self.last_request_id: str | None = None
+        self.last_exec_seconds: float | None = None  # the server's own time for the last call
 
     def __repr__(self) -> str:
         return f"RemoteWorker({self.url!r})"
@@ -90,6 +91,8 @@ class RemoteWorker:
                 if attempt:
                     raise
         self.last_request_id = resp.getheader("x-request-id")
+        timing = resp.getheader("server-timing") or ""
+        self.last_exec_seconds = float(timing.split("dur=", 1)[1]) / 1e3 if "dur=" in timing else None
         payload = msgpack.unpackb(data, raw=False, strict_map_key=False) if data else {}
         if resp.status != 200:
             err = payload.get("error", {}) if isinstance(payload, dict) else {}

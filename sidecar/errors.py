@@ -41,3 +41,32 @@ class Unavailable(SidecarError):
 class NotSupported(SidecarError):
     status = 501
     type = "not_implemented"
+
+
+class PayloadTooLarge(SidecarError):
+    status = 413
+    type = "payload_too_large"
+
+
+class UnsupportedMediaType(SidecarError):
+    status = 415
+    type = "unsupported_media_type"
+
+
+class Unauthorized(SidecarError):
+    status = 401
+    type = "unauthorized"
+
+
+class UnknownMethod(SidecarError):
+    status = 404
+    type = "unknown_method"
+
+
+class MethodNotAllowed(SidecarError):
+    status = 405
+    type = "method_not_allowed"
+
+
+class StartupError(Exception):
+    """A configuration the server refuses to start with; the message says what to do."""

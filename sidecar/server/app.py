@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import re
 import signal
-import socket
-import stat
 import sys
 import time
 import uuid
@@ -35,8 +32,10 @@ import mlx.core as mx
 
 from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Config
-from sidecar.errors import SidecarError, Unavailable
+from sidecar.errors import (MethodNotAllowed, PayloadTooLarge, SidecarError, StartupError, Unavailable,
+                            UnknownMethod, UnsupportedMediaType)
 from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body, encode_body
+from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_token
 from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
@@ -50,35 +49,6 @@ slog = logging.getLogger("sidecar.server")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
 # Bodies above this are decoded off the event loop, so a big prompt never stalls the probes.
 _DECODE_OFF_LOOP_BYTES = 256 * 1024
-
-
-class PayloadTooLarge(SidecarError):
-    status = 413
-    type = "payload_too_large"
-
-
-class UnsupportedMediaType(SidecarError):
-    status = 415
-    type = "unsupported_media_type"
-
-
-class Unauthorized(SidecarError):
-    status = 401
-    type = "unauthorized"
-
-
-class UnknownMethod(SidecarError):
-    status = 404
-    type = "unknown_method"
-
-
-class MethodNotAllowed(SidecarError):
-    status = 405
-    type = "method_not_allowed"
-
-
-class StartupError(Exception):
-    """A configuration the server refuses to start with; the message says what to do."""
 
 
 @dataclass
@@ -146,7 +116,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         status, error_type = 200, None
         headers = {"x-request-id": rid}
         try:
-            _authorize(sc, request)
+            authorize(sc.token, request)
             if label == "unknown":
                 raise UnknownMethod(f"unknown method {method[:64]!r}")
             if request.method != "POST":
@@ -164,8 +134,11 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             else:
                 kwargs = decode_body(body, in_type)
             call = bind_kwargs(sc.worker, method, kwargs)
-            result = await sc.thread.call(_with_step_metrics(sc, method, call), config.call_timeout)
+            timing: list[float] = []
+            result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout)
             payload: Any = {"result": result}
+            # The time the call spent on the MLX thread, so clients can see the transport's share.
+            headers["server-timing"] = f"exec;dur={timing[0] * 1e3:.3f}"
         except SidecarError as e:
             status, error_type, payload = e.status, e.type, e.to_wire()
             if e.retry_after:
@@ -212,7 +185,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
 
     async def info(request: Request) -> Response:
         if config.protect_metrics:
-            _authorize(sc, request)
+            authorize(sc.token, request)
         snap, thread = sc.metrics.snapshot, sc.thread
         return JSONResponse({
             "version": __version__, "protocol_version": PROTOCOL_VERSION, "state": sc.worker.state.value,
@@ -225,7 +198,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
 
     async def metrics(request: Request) -> Response:
         if config.protect_metrics:
-            _authorize(sc, request)
+            authorize(sc.token, request)
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(sc.metrics.registry), media_type=content_type)
 
@@ -276,18 +249,6 @@ def _wants_msgpack(accept: str, in_type: str) -> bool:
     return in_type in MSGPACK_TYPES
 
 
-def _authorize(sc: Sidecar, request: Request) -> None:
-    if sc.token is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    # Constant-time comparison of bytes (compare_digest on str rejects non-ASCII); the same
-    # terse answer for a missing, malformed and wrong token.
-    ok = hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), sc.token.encode())
-    if scheme.lower() != "bearer" or not ok:
-        raise Unauthorized("missing or invalid bearer token")
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
@@ -301,14 +262,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _with_step_metrics(sc: Sidecar, method: str, call: Any) -> Any:
-    if method != "execute_model":
-        return call
+def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> Any:
+    """The call as run on the MLX thread: timed, and steps recorded in the step metrics."""
 
     def run() -> Any:
-        result = call()
+        t0 = time.perf_counter()
+        try:
+            result = call()
+        finally:
+            timing.append(time.perf_counter() - t0)
         runner = sc.worker.runner
-        if runner is not None and runner.last_stats.num_rows:
+        if method == "execute_model" and runner is not None and runner.last_stats.num_rows:
             sc.metrics.observe_step(runner.last_stats)
         return result
 
@@ -370,70 +334,6 @@ async def _drain(sc: Sidecar) -> None:
         sc.clean_shutdown = False
 
 
-def load_token(config: Config) -> str | None:
-    """The bearer token, checked: a configured but empty or unreadable token is an error, never
-    a silently open server."""
-    if config.auth_token_file:
-        try:
-            with open(config.auth_token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise StartupError(f"cannot read --auth-token-file {config.auth_token_file}: {e.strerror}") from None
-        if not token:
-            raise StartupError(f"--auth-token-file {config.auth_token_file} is empty")
-        mode = os.stat(config.auth_token_file).st_mode
-        if mode & 0o077:
-            slog.warning("the token file %s is readable by other users (mode %o); chmod 600 it",
-                         config.auth_token_file, stat.S_IMODE(mode))
-        return token
-    if config.auth_token is not None:
-        token = config.auth_token.strip()
-        if not token:
-            raise StartupError("MLX_SIDECAR_AUTH_TOKEN is set but empty; unset it or give a token")
-        return token
-    return None
-
-
-def check_bind(config: Config, token: str | None) -> None:
-    if config.uds or token is not None or config.allow_insecure or _is_loopback(config.host):
-        return
-    raise StartupError(
-        f"refusing to bind {config.host} (not a loopback address) without an auth token: "
-        "set --auth-token-file or MLX_SIDECAR_AUTH_TOKEN, or pass --allow-insecure to override")
-
-
-def bind_unix_socket(path: str) -> socket.socket:
-    """A listening-ready Unix socket at `path` with mode 0600 (only the owner may connect). A stale
-    socket file is replaced; a live one (another server) or any other kind of file is an error."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise StartupError(f"--uds {path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale: nobody is listening
-        else:
-            raise StartupError(f"--uds {path}: another process is serving on it")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # created 0600 from the start: no window in which others may connect
-    try:
-        sock.bind(path)
-    except OSError as e:
-        sock.close()
-        raise StartupError(f"--uds {path}: {e.strerror}") from None
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    return sock
-
-
 def serve(config: Config) -> int:
     """Run until SIGTERM/SIGINT. Exit status: 0 after a clean shutdown, 1 when the shutdown
     timeout ran out (or a second SIGINT forced it), 2 for a configuration refused at start-up."""
@@ -490,12 +390,3 @@ def serve(config: Config) -> int:
     return 0
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

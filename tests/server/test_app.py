@@ -4,6 +4,7 @@ POSTs and stdlib JSON; bad input gets the right 4xx and changes nothing."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -70,6 +71,9 @@ def test_out_of_order_lifecycle_is_409(remote: RemoteWorker) -> None:
 def test_raw_msgpack_and_stdlib_json(server, remote: RemoteWorker) -> None:
     r = post(server.url, "vocab_size", b"")
     assert r.status_code == 200 and msgpack.unpackb(r.content) == {"result": 512}
+    assert re.fullmatch(r"exec;dur=\d+\.\d{3}", r.headers["server-timing"])
+    remote.vocab_size()
+    assert 0 <= remote.last_exec_seconds < 1
     req = urllib.request.Request(f"{server.url}/rpc/get_cache_block_size_bytes", data=b"{}", method="POST",
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req) as resp:

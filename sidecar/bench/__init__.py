@@ -1,0 +1,193 @@
+"""`mlx-sidecar bench`: the sidecar (a real server subprocess, driven over HTTP by the reference
+scheduler) against mlx-lm (in this process) on the same model, greedy, same prompts, eos ignored.
+
+Scenarios (headline keys in the JSON): single_stream_ratio, batch32_ratio, rpc_overhead_ms_p50 /
+rpc_overhead_ms_p99 (and per batch size), prefix_ttft_ratio, pool_size_ratio, sampling_mixed_ratio,
+plus throughput against concurrency for both sides (the PNG). Workload sizes: params.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from sidecar.bench import report, scenarios
+from sidecar.bench.params import BenchParams, from_cli
+from sidecar.bench.report import REQUIRED_KEYS, table
+from sidecar.bench.sides import MlxLmSide, ServerProcess, SidecarSide
+
+__all__ = ["BenchParams", "REQUIRED_KEYS", "bench_cli", "run_bench"]
+
+
+def machine_info() -> dict[str, Any]:
+    import mlx.core as mx
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
+        "cpu_count": os.cpu_count(), "mlx_device": str(mx.default_device()),
+        "metal": bool(mx.metal.is_available()),
+        "cuda": bool(hasattr(mx, "cuda") and mx.cuda.is_available()),
+    }
+    try:
+        info["memory_bytes"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        if sys.platform == "darwin":
+            try:
+                info["cpu"] = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                             text=True, timeout=5).stdout.strip()
+            except (OSError, subprocess.SubprocessError):
+                pass
+    info["backend"] = "gpu" if info["metal"] or info["cuda"] else "cpu"
+    return info
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("mlx", "mlx-lm", "mlx-sidecar", "msgpack", "uvicorn", "starlette", "numpy"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "?"
+    try:
+        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                    cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every scenario; returns the JSON document (flat figures at the top level)."""
+    from sidecar.models import resolve_model
+
+    t_start = time.perf_counter()
+    log = log or scenarios.log_to_stderr(t_start)
+    path = resolve_model(params.model, params.home)  # generate a built-in once, before the server looks
+    servers: list[ServerProcess] = []
+    sides: list[SidecarSide] = []
+
+    def make_side(extra: dict[str, Any]) -> SidecarSide:
+        server = ServerProcess(params.model, params.home, extra={
+            "max_num_seqs": max(params.max_num_seqs, params.sampling_rows, max(params.sweep_concurrency)),
+            "max_num_batched_tokens": params.max_num_batched_tokens, **extra})
+        servers.append(server)
+        t0 = time.perf_counter()
+        server.start()
+        side = SidecarSide(server, params.server_blocks, max_num_seqs=params.max_num_seqs,
+                           max_num_batched_tokens=params.max_num_batched_tokens)
+        side.bring_up_s["process_start"] = time.perf_counter() - t0 - sum(side.bring_up_s.values())
+        sides.append(side)
+        return side
+
+    try:
+        log(f"profile {params.profile}: starting the sidecar server ({params.model}) and loading mlx-lm")
+        sidecar = make_side({})
+        mlx = MlxLmSide(path)
+        b = scenarios.Bench(params, sidecar, mlx, log)
+        b.results.update(server_start_s=sidecar.bring_up_s["process_start"],
+                         server_bring_up_s=sum(sidecar.bring_up_s.values()), mlx_lm_load_s=mlx.load_s)
+        log("warming up both sides")
+        scenarios.warm_up(b)
+        stages: list[tuple[str, Callable[[], None]]] = [
+            ("single_stream", lambda: scenarios.single_stream(b)),
+            ("rpc batch 1", lambda: scenarios.rpc_batch1_run(b)),
+            ("batch", lambda: scenarios.batch32(b)),
+            ("sweep", lambda: scenarios.sweep(b)),
+            ("sampling", lambda: scenarios.sampling(b)),
+            ("prefix", lambda: scenarios.prefix_ttft(b)),
+            ("rpc overhead", lambda: scenarios.rpc_overhead(b)),
+            ("pool_size", lambda: scenarios.pool_size(b, make_side)),
+        ]
+        timings: dict[str, float] = {}
+        for name, fn in stages:
+            log(f"{name} ...")
+            t0 = time.perf_counter()
+            fn()
+            timings[name] = time.perf_counter() - t0
+        results = b.results
+        notes = list(params.notes) + b.notes
+        raw = b.raw
+    finally:
+        for side in sides:
+            side.close()
+        for server in servers:
+            server.stop()
+
+    elapsed = time.perf_counter() - t_start
+    machine = machine_info()
+    doc: dict[str, Any] = {
+        **{k: results[k] for k in REQUIRED_KEYS if k in results},
+        **{k: v for k, v in results.items() if k not in REQUIRED_KEYS},
+        "elapsed_s": elapsed,
+        "profile": params.profile,
+        "model": params.model,
+        "model_path": str(path),
+        "backend_label": f"MLX {machine['backend'].upper()} backend",
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mlx_version": versions().get("mlx"),
+        "mlx_lm_version": versions().get("mlx-lm"),
+        "versions": versions(),
+        "machine": machine,
+        "params": params.to_json(),
+        "stage_seconds": timings,
+        "sweep": raw.get("sweep"),
+        "raw": {k: v for k, v in raw.items() if k != "sweep"},
+        "notes": notes,
+    }
+    return doc
+
+
+def render(doc: dict[str, Any]) -> str:
+    head = (f"mlx-sidecar bench ({doc['profile']}) - {doc['model']} - {doc['backend_label']} - "
+            f"{doc['machine'].get('cpu', doc['machine']['machine'])}, {doc['machine']['cpu_count']} cores - "
+            f"mlx {doc['mlx_version']}, mlx-lm {doc['mlx_lm_version']}")
+    parts = [head, "", table(doc)]
+    if doc.get("sweep"):
+        parts += ["", "throughput against concurrency (generated tokens/s, prefill included):",
+                  report.sweep_table(doc["sweep"])]
+    if doc.get("notes"):
+        parts += ["", *("note: " + n for n in doc["notes"])]
+    parts += ["", f"elapsed {doc['elapsed_s']:.0f}s"]
+    return "\n".join(parts)
+
+
+def bench_cli(args: argparse.Namespace) -> int:
+    try:
+        params = from_cli(bool(getattr(args, "quick", False)), model=args.model, home=getattr(args, "home", None))
+    except ValueError as e:
+        print(f"mlx-sidecar bench: {e}", file=sys.stderr)
+        return 2
+    try:
+        doc = run_bench(params)
+    except KeyboardInterrupt:
+        print("mlx-sidecar bench: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line for the user, the servers are already stopped
+        import traceback
+
+        traceback.print_exc()
+        print(f"mlx-sidecar bench: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    json_path = report.write_json(args.json_path, doc)
+    title = f"{doc['model']} - {doc['backend_label']} - {doc['machine'].get('cpu', '')} ({doc['profile']})"
+    png = report.plot(args.plot_path, doc["sweep"], title) if doc.get("sweep") else None
+    print(render(doc))
+    print(f"json: {json_path}")
+    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib, or `pip install -e '.[bench]'`)")
+    return 0

@@ -1,0 +1,154 @@
+"""The table, the JSON file and the throughput plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Goal:
+    key: str  # the headline ratio / figure in the JSON
+    title: str
+    op: str  # ">=" or "<="
+    target: float
+    sidecar: str  # how to show the two value columns
+    mlx_lm: str
+
+
+GOALS = (
+    Goal("single_stream_ratio", "single stream decode", ">=", 0.95,
+         "{single_stream_sidecar_tok_s:.2f} tok/s", "{single_stream_mlx_lm_tok_s:.2f} tok/s"),
+    Goal("batch32_ratio", "batch {batch32_requests:.0f} throughput", ">=", 1.0,
+         "{batch32_sidecar_tok_s:.2f} tok/s", "{batch32_mlx_lm_tok_s:.2f} tok/s"),
+    Goal("rpc_overhead_ms_p50", "rpc overhead p50 (worst batch)", "<=", 0.5,
+         "b1 {rpc_overhead_ms_p50_b1:.3f} / b64 {rpc_overhead_ms_p50_b64:.3f} ms", "-"),
+    Goal("rpc_overhead_ms_p99", "rpc overhead p99 (worst batch)", "", math.nan,
+         "b1 {rpc_overhead_ms_p99_b1:.3f} / b64 {rpc_overhead_ms_p99_b64:.3f} ms", "-"),
+    Goal("msgpack_256_ms", "msgpack 256-req step enc+dec", "", math.nan,
+         "{msgpack_256_encode_ms:.3f} + {msgpack_256_decode_ms:.3f} ms", "-"),
+    Goal("prefix_ttft_ratio", "prefix-cached TTFT / cold", "<=", 0.1,
+         "{prefix_warm_ttft_s:.3f} s / {prefix_cold_ttft_s:.3f} s", "{prefix_mlx_lm_cold_ttft_s:.3f} s cold"),
+    Goal("pool_size_ratio", "decode step, {pool_large_blocks:.0f} / {pool_small_blocks:.0f} blocks", "<=", 1.1,
+         "{pool_large_step_ms:.2f} / {pool_small_step_ms:.2f} ms", "-"),
+    Goal("sampling_mixed_ratio", "{sampling_rows:.0f}-row step, mixed / greedy", "<=", 1.10,
+         "{sampling_mixed_step_ms:.1f} / {sampling_greedy_step_ms:.1f} ms", "-"),
+)
+
+# Every key the JSON must carry with a finite value (the smoke test checks these).
+REQUIRED_KEYS = (
+    "single_stream_ratio", "batch32_ratio", "rpc_overhead_ms_p50", "rpc_overhead_ms_p99",
+    "rpc_overhead_ms_p50_b1", "rpc_overhead_ms_p99_b1", "rpc_overhead_ms_p50_b64", "rpc_overhead_ms_p99_b64",
+    "msgpack_256_encode_ms", "msgpack_256_decode_ms", "msgpack_256_ms",
+    "prefix_ttft_ratio", "pool_size_ratio", "sampling_mixed_ratio",
+    "single_stream_sidecar_tok_s", "single_stream_mlx_lm_tok_s", "batch32_sidecar_tok_s", "batch32_mlx_lm_tok_s",
+    "prefix_cold_ttft_s", "prefix_warm_ttft_s", "pool_small_step_ms", "pool_large_step_ms",
+    "sampling_greedy_step_ms", "sampling_mixed_step_ms",
+)
+
+
+class _Missing(dict):
+    def __missing__(self, key: str) -> float:
+        return math.nan
+
+
+def _fmt(template: str, results: dict[str, Any]) -> str:
+    try:
+        return template.format_map(_Missing(results))
+    except (ValueError, TypeError):
+        return "?"
+
+
+def verdict(goal: Goal, value: Any) -> str:
+    if not goal.op:
+        return ""
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "n/a"
+    ok = value >= goal.target if goal.op == ">=" else value <= goal.target
+    return "PASS" if ok else "FAIL"
+
+
+def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    out = []
+    for g in GOALS:
+        # The msgpack row names its n (the JSON key says 256 whatever n was asked for).
+        key = g.key
+        value = results.get(key, math.nan)
+        shown = f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+        if key.startswith(("rpc_", "msgpack_")):
+            shown += " ms"
+        goal = f"{g.op} {g.target:g}" if g.op else "-"
+        out.append((_fmt(g.title, results), _fmt(g.sidecar, results), _fmt(g.mlx_lm, results), shown, goal,
+                    verdict(g, value) or "-"))
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    header = ("scenario", "sidecar", "mlx-lm", "ratio/value", "goal", "result")
+    body = rows(results)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(r: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep, *map(line, body)])
+
+
+def sweep_table(sweep: dict[str, list[float]]) -> str:
+    lines = ["concurrency  sidecar tok/s  mlx-lm tok/s  ratio"]
+    for c, s, m in zip(sweep["concurrency"], sweep["sidecar_tok_s"], sweep["mlx_lm_tok_s"]):
+        lines.append(f"{c:>11}  {s:>13.2f}  {m:>12.2f}  {s / m:>5.2f}")
+    return "\n".join(lines)
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None  # JSON has no NaN/inf; the smoke test treats None as not finite
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: str | os.PathLike, doc: dict[str, Any]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(doc), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+def plot(path: str | os.PathLike, sweep: dict[str, list[float]], title: str) -> Path | None:
+    """Throughput against concurrency, both sides; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    c = sweep["concurrency"]
+    ax.plot(c, sweep["sidecar_tok_s"], "o-", label="mlx-sidecar (HTTP + reference scheduler)")
+    ax.plot(c, sweep["mlx_lm_tok_s"], "s--", label="mlx-lm BatchGenerator (in process)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(c, [str(x) for x in c])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("generated tokens / s (prefill included)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(p)
+    plt.close(fig)
+    return p
