@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +56,23 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def _cpu_busy(seconds: float = 1.0) -> float | None:
+    """Fraction of all cores busy over `seconds` (Linux /proc/stat), measured before anything starts."""
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)  # total, idle + iowait
+
+    try:
+        t0, i0 = read()
+        time.sleep(seconds)
+        t1, i1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -78,12 +96,14 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
 
     t_start = time.perf_counter()
     log = log or scenarios.log_to_stderr(t_start)
+    busy = _cpu_busy()
     path = resolve_model(params.model, params.home)  # generate a built-in once, before the server looks
     servers: list[ServerProcess] = []
     sides: list[SidecarSide] = []
+    log_dir = tempfile.TemporaryDirectory(prefix="sidecar-bench-")  # server logs, shown when one fails
 
     def make_side(extra: dict[str, Any]) -> SidecarSide:
-        server = ServerProcess(params.model, params.home, extra={
+        server = ServerProcess(params.model, params.home, log_dir=log_dir.name, extra={
             "max_num_seqs": max(params.max_num_seqs, params.sampling_rows, max(params.sweep_concurrency)),
             "max_num_batched_tokens": params.max_num_batched_tokens, **extra})
         servers.append(server)
@@ -128,9 +148,14 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
             side.close()
         for server in servers:
             server.stop()
+        log_dir.cleanup()
 
     elapsed = time.perf_counter() - t_start
     machine = machine_info()
+    machine["cpu_busy_before_start"] = busy
+    if busy is not None and busy > 0.2:
+        notes.append(f"{busy:.0%} of the CPU was busy with something else in the second before the bench "
+                     "started: the figures are noisier than usual")
     doc: dict[str, Any] = {
         **{k: results[k] for k in REQUIRED_KEYS if k in results},
         **{k: v for k, v in results.items() if k not in REQUIRED_KEYS},

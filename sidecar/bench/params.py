@@ -34,7 +34,7 @@ class BenchParams:
     # 2. batch: `batch_requests` concurrent requests, prompt lengths spread over [min, max].
     batch_requests: int = 32
     batch_prompt_min: int = 16
-    batch_prompt_max: int = 96
+    batch_prompt_max: int = 128
     batch_new_tokens: int = 32
     batch_repeats: int = 1
     # 3. RPC overhead: decode steps at batch 1 (a dedicated run) and 64 (the sampling scenario's
@@ -54,7 +54,7 @@ class BenchParams:
     pool_batch: int = 4
     pool_prompt_len: int = 16
     pool_steps: int = 12
-    pool_repeats: int = 2
+    pool_repeats: int = 2  # runs per pool size
     # 6. sampling: a `sampling_rows`-row decode step, every row different params vs all greedy.
     sampling_rows: int = 64
     sampling_prompt_len: int = 4

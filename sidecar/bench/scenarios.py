@@ -64,7 +64,7 @@ def alternate(i: int) -> tuple[str, str]:
 
 
 def token_match(a: RunResult, b: RunResult) -> float:
-    pairs = list(zip(a.tokens.values(), b.tokens.values()))
+    pairs = list(zip(a.tokens.values(), b.tokens.values(), strict=True))
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
 
 
@@ -91,7 +91,7 @@ def single_stream(b: Bench) -> None:
     prompt = b.prompt(p.single_prompt_len)
     rates: dict[str, list[float]] = {"mlx": [], "sidecar": []}
     ttft: dict[str, list[float]] = {"mlx": [], "sidecar": []}
-    matches = []
+    matches, ratios = [], []
     for i in range(p.single_repeats):
         got: dict[str, RunResult] = {}
         for side in alternate(i):
@@ -104,22 +104,27 @@ def single_stream(b: Bench) -> None:
             rates[side].append(decode_rate(times))
             ttft[side].append(times[0])
         matches.append(token_match(got["mlx"], got["sidecar"]))
+        ratios.append(rates["sidecar"][-1] / rates["mlx"][-1])
         b.log(f"single_stream {i + 1}/{p.single_repeats}: sidecar {rates['sidecar'][-1]:.2f} tok/s, "
               f"mlx-lm {rates['mlx'][-1]:.2f} tok/s")
     side, mlx = median(rates["sidecar"]), median(rates["mlx"])
+    # The ratio is the median of the back-to-back pairs' ratios: a slow drift of the machine's
+    # speed (common on shared VMs) cancels within a pair.
     b.results.update(
-        single_stream_ratio=side / mlx, single_stream_sidecar_tok_s=side, single_stream_mlx_lm_tok_s=mlx,
+        single_stream_ratio=median(ratios), single_stream_sidecar_tok_s=side, single_stream_mlx_lm_tok_s=mlx,
         single_stream_sidecar_ms_per_token=1e3 / side, single_stream_mlx_lm_ms_per_token=1e3 / mlx,
         single_stream_sidecar_ttft_s=median(ttft["sidecar"]), single_stream_mlx_lm_ttft_s=median(ttft["mlx"]),
         single_stream_tokens_match=min(matches),
     )
+    b.raw["single_stream_pair_ratios"] = ratios
     b.raw["single_stream_sidecar_tok_s"] = rates["sidecar"]
     b.raw["single_stream_mlx_lm_tok_s"] = rates["mlx"]
     # Server-side time of the decode steps: what of the per-token gap is HTTP + scheduler.
     steps = [r for r in b.sidecar.worker.records if r.tag == "single" and r.decode and r.rows == 1]
     b.results["single_stream_sidecar_step_client_ms"] = median([r.client_s * 1e3 for r in steps])
     if any(r.server_s is not None for r in steps):
-        b.results["single_stream_sidecar_step_server_ms"] = median([r.server_s * 1e3 for r in steps if r.server_s is not None])
+        server = [r.server_s * 1e3 for r in steps if r.server_s is not None]
+        b.results["single_stream_sidecar_step_server_ms"] = median(server)
 
 
 # ---------------------------------------------------------------- 2. batch + the concurrency sweep
@@ -137,7 +142,7 @@ def batch32(b: Bench) -> None:
     prompts = b.prompts(lengths)
     tps: dict[str, list[float]] = {"mlx": [], "sidecar": []}
     walls: dict[str, list[float]] = {"mlx": [], "sidecar": []}
-    matches = []
+    matches, ratios = [], []
     for i in range(p.batch_repeats):
         got = {}
         for side in alternate(i):
@@ -151,10 +156,11 @@ def batch32(b: Bench) -> None:
             tps[side].append(r.total_tokens / r.wall_s)
             walls[side].append(r.wall_s)
         matches.append(token_match(got["mlx"], got["sidecar"]))
+        ratios.append(tps["sidecar"][-1] / tps["mlx"][-1])
         b.log(f"batch{p.batch_requests} {i + 1}/{p.batch_repeats}: sidecar {tps['sidecar'][-1]:.2f} tok/s "
               f"({walls['sidecar'][-1]:.1f}s), mlx-lm {tps['mlx'][-1]:.2f} tok/s ({walls['mlx'][-1]:.1f}s)")
     side, mlx = median(tps["sidecar"]), median(tps["mlx"])
-    b.results.update(batch32_ratio=side / mlx, batch32_sidecar_tok_s=side, batch32_mlx_lm_tok_s=mlx,
+    b.results.update(batch32_ratio=median(ratios), batch32_sidecar_tok_s=side, batch32_mlx_lm_tok_s=mlx,
                      batch32_sidecar_wall_s=median(walls["sidecar"]), batch32_mlx_lm_wall_s=median(walls["mlx"]),
                      batch32_requests=p.batch_requests, batch32_prompt_tokens=sum(lengths),
                      batch32_tokens_match=min(matches))
@@ -260,14 +266,14 @@ def msgpack_figures(n: int, repeats: int, vocab_size: int) -> dict[str, float]:
     for name, so in (("", decode), ("_new", new)):
         kwargs = {"scheduler_output": so}
         body = msgpack.packb(kwargs, use_bin_type=True)
-        enc = timed(lambda: msgpack.packb(kwargs, use_bin_type=True))
-        dec = timed(lambda: decode_body(body, MSGPACK_TYPES[0]))
+        enc = timed(lambda kwargs=kwargs: msgpack.packb(kwargs, use_bin_type=True))
+        dec = timed(lambda body=body: decode_body(body, MSGPACK_TYPES[0]))
         out[f"msgpack_{n}{name}_encode_ms"] = enc
         out[f"msgpack_{n}{name}_decode_ms"] = dec
         out[f"msgpack_{n}{name}_ms"] = enc + dec
         out[f"msgpack_{n}{name}_bytes"] = float(len(body))
-        out[f"from_wire_{n}{name}_ms"] = timed(lambda: SchedulerOutput.from_wire(
-            decode_body(body, MSGPACK_TYPES[0])["scheduler_output"], vocab_size=vocab_size, max_logprobs=20))
+        out[f"from_wire_{n}{name}_ms"] = timed(lambda so=so: SchedulerOutput.from_wire(
+            so, vocab_size=vocab_size, max_logprobs=20))
     payload = {"result": result}
     reply = encode_body(payload, True)
     out[f"msgpack_{n}_output_ms"] = (timed(lambda: encode_body(payload, True))
@@ -333,18 +339,22 @@ def pool_size(b: Bench, make_side: Callable[[dict], SidecarSide]) -> None:
     steps: dict[int, list[float]] = {p.pool_small_blocks: [], p.pool_large_blocks: []}
     client: dict[int, list[float]] = {p.pool_small_blocks: [], p.pool_large_blocks: []}
     alloc: dict[int, float] = {}
-    for i in range(p.pool_repeats):
-        for blocks in ((p.pool_small_blocks, p.pool_large_blocks) if i % 2 == 0 else
-                       (p.pool_large_blocks, p.pool_small_blocks)):
+    # Small runs, then the large ones, then small again: the large pool is allocated once (16 s
+    # for 6 GB on 2 CPU cores), and the small runs on both sides of it cancel a drift in speed.
+    r = p.pool_repeats
+    plan = [p.pool_small_blocks] * (r - r // 2) + [p.pool_large_blocks] * r + [p.pool_small_blocks] * (r // 2)
+    current = None
+    for blocks in plan:
+        if blocks != current:
             alloc[blocks] = side.initialize_cache(blocks)
-            n0 = len(side.worker.records)
-            prompts = b.prompts([p.pool_prompt_len] * p.pool_batch)
-            side.run(requests_for(prompts, p.pool_steps + 1), tag=f"pool{blocks}", probe=True)
-            recs = [r for r in side.worker.records[n0:] if r.decode][1:]  # the first decode step warms up
-            steps[blocks] += [(r.server_s if r.server_s is not None else r.client_s) * 1e3 for r in recs]
-            client[blocks] += [r.client_s * 1e3 for r in recs]
-        b.log(f"pool {i + 1}/{p.pool_repeats}: step {median(steps[p.pool_small_blocks]):.2f} ms at "
-              f"{p.pool_small_blocks} blocks, {median(steps[p.pool_large_blocks]):.2f} ms at {p.pool_large_blocks}")
+            current = blocks
+        n0 = len(side.worker.records)
+        prompts = b.prompts([p.pool_prompt_len] * p.pool_batch)
+        side.run(requests_for(prompts, p.pool_steps + 1), tag=f"pool{blocks}", probe=True)
+        recs = [r for r in side.worker.records[n0:] if r.decode][1:]  # the first decode step warms up
+        steps[blocks] += [(r.server_s if r.server_s is not None else r.client_s) * 1e3 for r in recs]
+        client[blocks] += [r.client_s * 1e3 for r in recs]
+        b.log(f"pool {blocks} blocks: decode step (batch {p.pool_batch}) {median(steps[blocks][-len(recs):]):.2f} ms")
     if side is b.sidecar:
         side.initialize_cache(p.server_blocks)  # back to the pool the other scenarios use
     small, large = median(steps[p.pool_small_blocks]), median(steps[p.pool_large_blocks])

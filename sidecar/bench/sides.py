@@ -24,9 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-import msgpack
-
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client import RemoteWorker
 from sidecar.scheduler import Event, Request, Scheduler, run
 
 perf = time.perf_counter
@@ -49,7 +47,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m sidecar serve` on a free loopback port; stopped with SIGTERM (then SIGKILL) by pid."""
 
-    def __init__(self, model: str, home: str | None, *, extra: dict[str, Any] | None = None, log_dir: str | None = None):
+    def __init__(self, model: str, home: str | None, *, extra: dict[str, Any] | None = None,
+                 log_dir: str | None = None):
         self.model, self.home = model, home
         self.extra = dict(extra or {})
         self.port = free_port()
@@ -120,24 +119,15 @@ class StepRecord:
     server_s: float | None  # the server's own time for it (None: unknown)
 
 
-_SERVER_TIMING = re.compile(r"(?:^|,)\s*exec\s*;[^,]*?dur\s*=\s*\"?([0-9.eE+-]+)")
 _GAUGE = re.compile(rb"^mlx_worker_last_step_duration_seconds\s+([0-9.eE+-]+)\s*$", re.M)
 
 
-def parse_server_timing(value: str | None) -> float | None:
-    """Seconds from a `Server-Timing: exec;dur=<ms>` header (other metrics in it are ignored)."""
-    if not value:
-        return None
-    m = _SERVER_TIMING.search(value)
-    return float(m.group(1)) / 1e3 if m else None
-
-
 class TimedWorker(RemoteWorker):
-    """RemoteWorker whose `call` keeps the response headers, so each execute_model is timed twice:
-    by the client, and by the server (its `Server-Timing: exec;dur=<ms>` header, the time the call
-    spent on the MLX thread). Without the header, and only while `probe` is on, the server's time
-    is read from the `mlx_worker_last_step_duration_seconds` gauge on /metrics after the call
-    (runner.execute_model alone: it leaves out the wire decode/validation and the result encoding)."""
+    """RemoteWorker that times each execute_model twice: as the client sees it, and as the server
+    reports it (`Server-Timing: exec;dur=<ms>`, the call's time on the MLX thread, which RemoteWorker
+    keeps as `last_exec_seconds`). A server without the header: while `probe` is on, its time is read
+    from the `mlx_worker_last_step_duration_seconds` gauge on /metrics after the call instead
+    (runner.execute_model alone: it leaves out the wire validation and the result's to_wire)."""
 
     def __init__(self, url: str, timeout: float = 1800.0):
         super().__init__(url, timeout=timeout)
@@ -145,38 +135,14 @@ class TimedWorker(RemoteWorker):
         self.tag = ""
         self.probe = False
         self.header_seen: bool | None = None  # unknown until the first execute_model
-        self.last_headers: dict[str, str] = {}
         self._metrics_conn: http.client.HTTPConnection | None = None
-
-    def call(self, method: str, **kwargs: Any) -> Any:
-        body = msgpack.packb(kwargs, use_bin_type=True)
-        for attempt in (0, 1):
-            conn = self._connection()
-            try:
-                conn.request("POST", f"/rpc/{method}", body=body, headers=self._headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                break
-            except (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest, BrokenPipeError):
-                self.close()
-                if attempt:
-                    raise
-        self.last_headers = {k.lower(): v for k, v in resp.getheaders()}
-        self.last_request_id = resp.getheader("x-request-id")
-        payload = msgpack.unpackb(data, raw=False, strict_map_key=False) if data else {}
-        if resp.status != 200:
-            err = payload.get("error", {}) if isinstance(payload, dict) else {}
-            retry = resp.getheader("retry-after")
-            raise RemoteError(resp.status, err.get("type", "http_error"), err.get("message", data[:200].decode(errors="replace")),
-                              err.get("field"), float(retry) if retry else None)
-        return payload["result"]
 
     def step(self, scheduler_output: dict) -> dict:
         """execute_model for the scheduler's `run`: the raw wire result, timed."""
         t0 = perf()
         result = self.call("execute_model", scheduler_output=scheduler_output)
         client = perf() - t0
-        server = parse_server_timing(self.last_headers.get("server-timing"))
+        server = self.last_exec_seconds
         if self.header_seen is None:
             self.header_seen = server is not None
         nst = scheduler_output["num_scheduled_tokens"]
@@ -302,7 +268,8 @@ def requests_for(prompts: list[list[int]], new_tokens: int | list[int], sampling
     n = len(prompts)
     news = new_tokens if isinstance(new_tokens, list) else [new_tokens] * n
     samp = sampling if isinstance(sampling, list) else [sampling or {"temperature": 0.0}] * n
-    return [Request(fresh_id(prefix), list(p), dict(s), max_tokens=m, ignore_eos=True) for p, m, s in zip(prompts, news, samp)]
+    return [Request(fresh_id(prefix), list(p), dict(s), max_tokens=m, ignore_eos=True)
+            for p, m, s in zip(prompts, news, samp, strict=True)]
 
 
 # ---------------------------------------------------------------- the mlx-lm side

@@ -1,0 +1,58 @@
+"""Smoke test of `mlx-sidecar bench`: the whole harness on builtin:tiny with tiny sizes.
+
+Not a timing test: it checks that every scenario runs (a real server subprocess and mlx-lm), that
+the JSON carries every headline key with a finite value, and that the table and the plot are made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from sidecar.bench.params import PROFILE_ENV, from_cli, quick, tiny
+from sidecar.bench.report import GOALS, REQUIRED_KEYS, table
+from sidecar.cli import main
+
+
+def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv(PROFILE_ENV, "tiny")
+    json_path, png_path = tmp_path / "out" / "bench.json", tmp_path / "out" / "throughput.png"
+    rc = main(["bench", "--model", "builtin:tiny", "--home", home, "--json", str(json_path), "--plot", str(png_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+
+    doc = json.loads(json_path.read_text())
+    bad = {k: doc.get(k) for k in REQUIRED_KEYS
+           if not isinstance(doc.get(k), (int, float)) or not math.isfinite(doc[k])}
+    assert not bad, f"missing or non-finite: {bad}"
+    assert doc["profile"] == "tiny" and doc["model"] == "builtin:tiny"
+    assert doc["mlx_version"] and doc["mlx_lm_version"] and doc["machine"]["cpu_count"]
+    assert doc["single_stream_tokens_match"] == 1.0  # same model, greedy: the same tokens on both sides
+    assert doc["prefix_cached_tokens"] >= doc["prefix_len"] - 16  # the warm request really hit the cache
+    sweep = doc["sweep"]
+    assert len(sweep["sidecar_tok_s"]) == len(sweep["mlx_lm_tok_s"]) == len(sweep["concurrency"])
+    assert all(x > 0 for x in sweep["sidecar_tok_s"] + sweep["mlx_lm_tok_s"])
+
+    # The table: a header and one row per scenario, each with a verdict column.
+    for word in ("scenario", "sidecar", "mlx-lm", "ratio", "goal", "result"):
+        assert word in out
+    for goal in GOALS:
+        assert goal.key in doc
+    assert out.count("PASS") + out.count("FAIL") == sum(1 for g in GOALS if g.op)
+    assert f"json: {json_path}" in out
+    pytest.importorskip("matplotlib")
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_presets_and_table_without_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    assert from_cli(True, model="m").profile == "quick" and from_cli(False).profile == "full"
+    monkeypatch.setenv(PROFILE_ENV, "nope")
+    with pytest.raises(ValueError, match=PROFILE_ENV):
+        from_cli(False)
+    assert quick().model == "builtin:small" and tiny().model == "builtin:tiny"
+    text = table({})  # every figure missing: shown as n/a, never a crash
+    assert text.count("n/a") >= len([g for g in GOALS if g.op])
