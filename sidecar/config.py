@@ -37,6 +37,7 @@ class Config:
     shutdown_timeout: float = 30.0
     preload: bool = False  # run the lifecycle to `ready` at start-up
     lora_dir: str | None = None
+    max_loras: int = 8
     log_level: str = "warning"
     log_format: str = "text"  # text | json
     home: str | None = None  # MLX_SIDECAR_HOME: where built-in models are generated
@@ -65,6 +66,7 @@ class Config:
             ("device", self.device in ("auto", "gpu", "cpu"), "must be auto, gpu or cpu"),
             ("log_format", self.log_format in ("text", "json"), "must be text or json"),
             ("max_queue", self.max_queue >= 1, "must be >= 1"),
+            ("max_loras", self.max_loras >= 1, "must be >= 1"),
             ("call_timeout", self.call_timeout > 0, "must be > 0"),
             ("shutdown_timeout", self.shutdown_timeout > 0, "must be > 0"),
             ("max_body_bytes", self.max_body_bytes >= 1, "must be >= 1"),

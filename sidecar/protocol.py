@@ -193,6 +193,10 @@ def _new_request(d: Any, path: str, vocab_size: int, max_logprobs: int) -> NewRe
     if not prompt:
         raise ProtocolError("prompt_token_ids must not be empty", field=_join(path, "prompt_token_ids"))
     lora = get(d, "lora_request", (dict, type(None)), path, default=None)
+    if lora is not None:
+        lp = _join(path, "lora_request")
+        lora = {"lora_int_id": get(lora, "lora_int_id", int, lp), "lora_name": get(lora, "lora_name", str, lp, default=""),
+                "lora_path": get(lora, "lora_path", str, lp, default="")}
     return NewRequestData(
         req_id=get(d, "req_id", str, path),
         prompt_token_ids=prompt,

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from sidecar.config import Config, ConfigError
-from sidecar.errors import NotSupported, ProtocolError, StateError, Unavailable
+from sidecar.errors import ProtocolError, StateError, Unavailable
 from sidecar.protocol import ModelRunnerOutput, check, get
 from sidecar.runner.kv_cache import DTYPES, KVPool, LayerSpec, dtype_name
 from sidecar.runner.model_runner import ModelRunner
@@ -166,6 +166,7 @@ class MLXWorker:
         self.runner = ModelRunner(
             model, self._layer_specs(), vocab_size=self._vocab_size(), eos_token_ids=self._eos_ids(),
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
+            lora_dir=self.config.lora_dir, max_loras=self.config.max_loras,
         )
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
@@ -366,7 +367,8 @@ class MLXWorker:
         self.runner.free()
         self._asleep = {"kv_cache"}
         if level == 2:
-            self.runner.model = self.model = None
+            self.runner.drop_model()
+            self.model = None
             self.weights_bytes = 0
             self._asleep.add("weights")
         mx.clear_cache()
@@ -419,20 +421,33 @@ class MLXWorker:
         log.info("profile written to %s", out)
         return str(out)
 
-    # --- not yet supported (honest 501s, never silent no-ops) ---------------------------------
+    # --- LoRA adapters (mlx-lm format, from under --lora-dir) ------------------------------------
 
     @lifecycle
     def add_lora(self, lora_request: dict) -> bool:
-        raise NotSupported("LoRA adapters are not supported yet")
+        """Load an adapter: {lora_int_id, lora_name, lora_path (relative to --lora-dir)}. False
+        when the id is already loaded or every slot holds a pinned or in-use adapter."""
+        assert self.runner is not None
+        check(lora_request, dict, "lora_request")
+        lora_id = get(lora_request, "lora_int_id", int, "lora_request")
+        if lora_id < 1:
+            raise ProtocolError("lora_int_id must be >= 1", field="lora_request.lora_int_id")
+        name = get(lora_request, "lora_name", str, "lora_request", default=str(lora_id))
+        path = get(lora_request, "lora_path", str, "lora_request")
+        return self.runner.lora.add(lora_id, name, path, self.runner.loras_in_use())
 
     @lifecycle
     def remove_lora(self, lora_id: int) -> bool:
-        raise NotSupported("LoRA adapters are not supported yet")
+        """False when unknown or still used by a live request."""
+        assert self.runner is not None
+        return self.runner.lora.remove(check(lora_id, int, "lora_id"), self.runner.loras_in_use())
 
     @lifecycle
     def pin_lora(self, lora_id: int) -> bool:
-        raise NotSupported("LoRA adapters are not supported yet")
+        assert self.runner is not None
+        return self.runner.lora.pin(check(lora_id, int, "lora_id"))
 
     @lifecycle
     def list_loras(self) -> list[int]:
-        raise NotSupported("LoRA adapters are not supported yet")
+        assert self.runner is not None
+        return sorted(self.runner.lora.adapters)

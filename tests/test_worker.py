@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from sidecar.config import Config
-from sidecar.errors import NotSupported, ProtocolError, StateError
+from sidecar.errors import ProtocolError, StateError
 from sidecar.worker import MLXWorker, State, device_memory_bytes
 
 
@@ -85,12 +85,10 @@ def test_init_device_overrides_are_validated(home: str) -> None:
     assert w.config.block_size == 32
 
 
-def test_check_health_and_unsupported_calls(make_worker) -> None:
+def test_check_health(make_worker) -> None:
     w = make_worker()
     w.check_health()
     assert w.healthy and w.last_health_check > 0
-    with pytest.raises(NotSupported):
-        w.list_loras()
 
 
 def test_shutdown_returns_memory_to_baseline(home: str) -> None:

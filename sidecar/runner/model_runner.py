@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from sidecar.runner.lora import LoRAManager
 from sidecar.runner.kv_cache import BatchLayout, KVPool, LayerSpec, PagedCache
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -58,7 +59,8 @@ class StepStats:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, specs: Sequence[LayerSpec], *, vocab_size: int,
-                 eos_token_ids: Sequence[int], max_model_len: int, max_logprobs: int, seed: int = 0):
+                 eos_token_ids: Sequence[int], max_model_len: int, max_logprobs: int, seed: int = 0,
+                 lora_dir: str | None = None, max_loras: int = 8):
         self.model = model
         self.specs = list(specs)
         self.vocab_size = vocab_size
@@ -69,10 +71,20 @@ class ModelRunner:
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
         self._selection = _select_before_norm(model)
+        self.lora = LoRAManager(model, lora_dir, max_loras)
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
         self._selection = _select_before_norm(model)
+        self.lora.attach(model)
+
+    def drop_model(self) -> None:
+        """Release every reference to the weights (sleep level 2); set_model brings them back."""
+        self.model = self.lora.model = None  # type: ignore[assignment]
+        self._selection = None
+
+    def loras_in_use(self) -> set[int]:
+        return {s.lora_id for s in self.requests.values()} - {0}
 
     # --- pool -------------------------------------------------------------------------------
 
@@ -101,7 +113,7 @@ class ModelRunner:
         assert self.pool is not None, "the cache must be initialised first"
         t0 = time.perf_counter()
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
-                         vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+                         vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys())
         # Snapshot what `apply` and sampling touch, so an internal error rolls the state back.
         live = dict(self.requests)
         touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at)
@@ -191,14 +203,18 @@ class ModelRunner:
             select.append(b * L + lengths[b] - 1)
         index = mx.array(np.asarray(select, np.int32))
         caches = [PagedCache(pool, i, layout) for i in range(len(pool.specs))]
-        if self._selection is not None:
-            self._selection.index = index
-            try:
+        if self.lora.adapters:
+            self.lora.set_rows([r.state.lora_id for r in rows])
+        try:
+            if self._selection is not None:
+                self._selection.index = index
                 logits = self.model(mx.array(tokens), cache=caches)[0]
-            finally:
+            else:
+                logits = self.model(mx.array(tokens), cache=caches).reshape(-1, self.vocab_size)[index]
+        finally:
+            if self._selection is not None:
                 self._selection.index = None
-        else:
-            logits = self.model(mx.array(tokens), cache=caches).reshape(-1, self.vocab_size)[index]
+            self.lora.rows.groups = []
         logits = logits.astype(mx.float32)
         for b, w in enumerate(where):
             last[w] = logits[last_at[b] : last_at[b] + 1]

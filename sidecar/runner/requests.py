@@ -30,6 +30,10 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def lora_id(self) -> int:
+        return int(self.lora_request["lora_int_id"]) if self.lora_request else 0
+
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:
@@ -69,7 +73,7 @@ def _group0(groups: list[list[int]], path: str) -> list[int]:
 
 def plan_step(
     requests: dict[str, RequestState], out: SchedulerOutput, *,
-    num_blocks: int, block_size: int, vocab_size: int, max_model_len: int,
+    num_blocks: int, block_size: int, vocab_size: int, max_model_len: int, loras: set[int] | frozenset[int] = frozenset(),
 ) -> StepPlan:
     """Validate the whole batch and plan it; raises ProtocolError (with the field path) on any violation."""
     finished = set(out.finished_req_ids)  # unknown finished ids are ignored, as vLLM's runner does
@@ -122,6 +126,9 @@ def plan_step(
                 field=f"{path}.num_computed_tokens")
         table = _group0(nr.block_ids, f"{path}.block_ids")
         check_table(table, end, f"{path}.block_ids[0]")
+        if nr.lora_request is not None and nr.lora_request.get("lora_int_id") not in loras:
+            raise ProtocolError(f"LoRA {nr.lora_request.get('lora_int_id')!r} is not loaded; call add_lora first",
+                                field=f"{path}.lora_request.lora_int_id")
         state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start, lora_request=nr.lora_request)
         new_states.append(state)
         rows.append(Row(state, start, state.tokens(start, end), table, end == state.num_tokens))

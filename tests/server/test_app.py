@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -214,3 +215,22 @@ def test_json_logit_bias_uses_string_keys(server, remote: RemoteWorker) -> None:
     r = httpx.post(f"{server.url}/rpc/execute_model", json={"scheduler_output": so})
     assert r.status_code == 400
     assert r.json()["error"]["field"] == "scheduled_new_reqs[0].sampling_params.logit_bias[100000]"
+
+
+def test_lora_calls_over_http(home: str, tmp_path) -> None:
+    from tests.runner.test_lora import make_adapter
+
+    make_adapter(home, tmp_path / "loras" / "one", seed=1)
+    with start_server("--lora-dir", str(tmp_path / "loras"), "--preload") as s:
+        w = RemoteWorker(s.url)
+        for _ in range(100):
+            if httpx.get(f"{s.url}/readyz").status_code == 200:
+                break
+            time.sleep(0.1)
+        assert w.add_lora({"lora_int_id": 1, "lora_name": "one", "lora_path": "one"}) is True
+        assert w.list_loras() == [1] and w.pin_lora(1) is True
+        with pytest.raises(RemoteError) as e:
+            w.add_lora({"lora_int_id": 2, "lora_name": "x", "lora_path": "../../etc"})
+        assert e.value.status == 400 and e.value.field == "lora_request.lora_path"
+        assert w.remove_lora(1) is True and w.list_loras() == []
+        w.close()
