@@ -78,6 +78,9 @@ class BatchLayout:
     read_slots: mx.array  # [B, K]: every row's blocks, K a multiple of block_size
     query_pos: mx.array  # [B, L]
     ctx_lens: mx.array  # [B]
+    # Every row has the same context and length: the read is cut to exactly the context and the
+    # mask is None (decode) or "causal" (prefill), which lets SDPA take its unmasked/causal path.
+    uniform: bool = False
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -97,14 +100,19 @@ class BatchLayout:
         blk = np.take_along_axis(table, np.minimum(pos // block_size, nblk - 1), axis=1)
         write = np.where(valid, blk * block_size + pos % block_size, sink)
         read = (table[:, :, None] * block_size + np.arange(block_size)).reshape(B, nblk * block_size)
+        uniform = bool((ctx == ctx[0]).all() and (n == L).all())
+        if uniform:
+            read = read[:, : int(ctx[0])]
         return cls(
             offsets=mx.array(starts_np.astype(np.int32)), write_slots=mx.array(write.reshape(-1).astype(np.int32)),
             read_slots=mx.array(read.astype(np.int32)), query_pos=mx.array(pos.astype(np.int32)),
-            ctx_lens=mx.array(ctx.astype(np.int32)),
+            ctx_lens=mx.array(ctx.astype(np.int32)), uniform=uniform,
         )
 
-    def mask(self, window: int | None = None) -> mx.array:
+    def mask(self, window: int | None = None) -> mx.array | str | None:
         """[B, 1, L, K] bool. Padding queries see the row's whole context, so no row is all-masked."""
+        if self.uniform and (window is None or window >= self.read_slots.shape[1]):
+            return None if self.query_pos.shape[1] == 1 else "causal"
         if window not in self._masks:
             keys = mx.arange(self.read_slots.shape[1])[None, None, :]
             q = self.query_pos[:, :, None]
