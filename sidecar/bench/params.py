@@ -40,6 +40,7 @@ class BenchParams:
     # 3. RPC overhead: decode steps at batch 1 (a dedicated run) and 64 (the sampling scenario's
     # 64-row steps, plus the sweep's when the server reports its own time in a header).
     rpc_b1_steps: int = 48
+    rpc_null_calls: int = 100
     msgpack_requests: int = 256
     msgpack_repeats: int = 200
     # 4. prefix caching: TTFT of prefix+suffix with the prefix cached vs cold.
@@ -83,7 +84,7 @@ def quick(**kw: object) -> BenchParams:
     return BenchParams(
         profile="quick", single_prompt_len=16, single_new_tokens=32, single_repeats=2,
         batch_requests=8, batch_prompt_min=8, batch_prompt_max=32, batch_new_tokens=16,
-        rpc_b1_steps=24, msgpack_repeats=50,
+        rpc_b1_steps=24, msgpack_repeats=50, rpc_null_calls=40,
         prefix_len=256, prefix_cold_repeats=1, prefix_warm_repeats=2, prefix_mlx_lm_reference=False,
         pool_steps=8, pool_repeats=1,
         sampling_steps=3, sampling_repeats=1, sampling_prompt_len=2,
@@ -107,7 +108,7 @@ def tiny(**kw: object) -> BenchParams:
         profile="tiny", model="builtin:tiny", server_blocks=512,
         single_prompt_len=8, single_new_tokens=6, single_repeats=1,
         batch_requests=4, batch_prompt_min=4, batch_prompt_max=12, batch_new_tokens=4,
-        rpc_b1_steps=6, msgpack_repeats=3,
+        rpc_b1_steps=6, msgpack_repeats=3, rpc_null_calls=3,
         prefix_len=32, prefix_suffix_len=4, prefix_cold_repeats=1, prefix_warm_repeats=1,
         prefix_mlx_lm_reference=True,
         pool_small_blocks=64, pool_large_blocks=512, pool_batch=2, pool_prompt_len=4, pool_steps=4, pool_repeats=1,

@@ -29,6 +29,8 @@ GOALS = (
          "b1 {rpc_overhead_ms_p50_b1:.3f} / b64 {rpc_overhead_ms_p50_b64:.3f} ms", "-"),
     Goal("rpc_overhead_ms_p99", "rpc overhead p99 (worst batch)", "", math.nan,
          "b1 {rpc_overhead_ms_p99_b1:.3f} / b64 {rpc_overhead_ms_p99_b64:.3f} ms", "-"),
+    Goal("rpc_null_ms_p50", "no-op rpc p50, back to back", "", math.nan,
+         "after 30 ms idle: {rpc_null_after_idle_ms_p50:.3f} ms", "-"),
     Goal("msgpack_256_ms", "msgpack 256-req step enc+dec", "", math.nan,
          "{msgpack_256_encode_ms:.3f} + {msgpack_256_decode_ms:.3f} ms", "-"),
     Goal("prefix_ttft_ratio", "prefix-cached TTFT / cold", "<=", 0.1,
@@ -43,7 +45,7 @@ GOALS = (
 REQUIRED_KEYS = (
     "single_stream_ratio", "batch32_ratio", "rpc_overhead_ms_p50", "rpc_overhead_ms_p99",
     "rpc_overhead_ms_p50_b1", "rpc_overhead_ms_p99_b1", "rpc_overhead_ms_p50_b64", "rpc_overhead_ms_p99_b64",
-    "msgpack_256_encode_ms", "msgpack_256_decode_ms", "msgpack_256_ms",
+    "msgpack_256_encode_ms", "msgpack_256_decode_ms", "msgpack_256_ms", "rpc_null_ms_p50", "rpc_null_after_idle_ms_p50",
     "prefix_ttft_ratio", "pool_size_ratio", "sampling_mixed_ratio",
     "single_stream_sidecar_tok_s", "single_stream_mlx_lm_tok_s", "batch32_sidecar_tok_s", "batch32_mlx_lm_tok_s",
     "prefix_cold_ttft_s", "prefix_warm_ttft_s", "pool_small_step_ms", "pool_large_step_ms",

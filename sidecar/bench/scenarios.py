@@ -222,6 +222,19 @@ def rpc_overhead(b: Bench) -> None:
     # Headline: the worse of the two batch sizes (both must meet the goal).
     b.results["rpc_overhead_ms_p50"] = worst50
     b.results["rpc_overhead_ms_p99"] = worst99
+    # A call that does nothing (vocab_size), back to back and after 30 ms of idling: the transport's
+    # floor, and what waking the sleeping threads (client, event loop, MLX thread) adds to it. A
+    # decode step idles them for the whole forward pass, so its overhead sits near the second.
+    for name, gap in (("rpc_null_ms_p50", 0.0), ("rpc_null_after_idle_ms_p50", 0.03)):
+        over = []
+        for _ in range(p.rpc_null_calls):
+            if gap:
+                time.sleep(gap)
+            t0 = perf()
+            w.call("vocab_size")
+            if w.last_exec_seconds is not None:
+                over.append((perf() - t0 - w.last_exec_seconds) * 1e3)
+        b.results[name] = pct(over, 50)
     b.results.update(msgpack_figures(p.msgpack_requests, p.msgpack_repeats, b.sidecar.worker.vocab_size()))
 
 
