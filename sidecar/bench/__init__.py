@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sidecar.bench import report, scenarios
+from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
 from sidecar.bench.report import REQUIRED_KEYS, table
 from sidecar.bench.sides import MlxLmSide, ServerProcess, SidecarSide
@@ -90,6 +91,16 @@ def versions() -> dict[str, str]:
     return out
 
 
+class _LivePids:
+    """The pids of the servers still running, read at each use."""
+
+    def __init__(self, servers: list[ServerProcess]):
+        self.servers = servers
+
+    def __iter__(self):
+        return iter([s.proc.pid for s in self.servers if s.proc is not None and s.proc.poll() is None])
+
+
 def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every scenario; returns the JSON document (flat figures at the top level)."""
     from sidecar.models import resolve_model
@@ -135,11 +146,16 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
             ("pool_size", lambda: scenarios.pool_size(b, make_side)),
         ]
         timings: dict[str, float] = {}
+        meter = CpuMeter(_LivePids(servers))
         for name, fn in stages:
             log(f"{name} ...")
             t0 = time.perf_counter()
             fn()
             timings[name] = time.perf_counter() - t0
+            other = meter.mark(name)
+            if other is not None and other > 0.05:
+                b.notes.append(f"{name}: other processes used {other:.0%} of the CPU during this stage "
+                               "(the machine is shared): its figures are skewed")
         results = b.results
         notes = list(params.notes) + b.notes
         raw = b.raw
@@ -171,6 +187,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
         "machine": machine,
         "params": params.to_json(),
         "stage_seconds": timings,
+        "stage_foreign_cpu": meter.stages,
         "sweep": raw.get("sweep"),
         "raw": {k: v for k, v in raw.items() if k != "sweep"},
         "notes": notes,
