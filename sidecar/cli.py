@@ -20,6 +20,7 @@ _HELP = {
     "preload": "run init_device .. compile_or_warm_up_model at start-up (the scheduler may still re-drive it)",
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
+    "decode_ahead": "start the likely next decode step while the response travels (default on)",
 }
 
 
@@ -30,7 +31,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_ = _HELP.get(f.name, "")
         if f.type == "bool":
-            parser.add_argument(flag, action="store_true", default=None, help=help_)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=help_ or f"default {f.default!r}")

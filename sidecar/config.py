@@ -23,6 +23,7 @@ class Config:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_logprobs: int = 20
+    decode_ahead: bool = True  # overlap the next decode forward with the RPC round trip
     # server
     host: str = "127.0.0.1"
     port: int = 8000

@@ -166,7 +166,7 @@ class MLXWorker:
         self.runner = ModelRunner(
             model, self._layer_specs(), vocab_size=self._vocab_size(), eos_token_ids=self._eos_ids(),
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
-            lora_dir=self.config.lora_dir, max_loras=self.config.max_loras,
+            lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
         )
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED

@@ -48,6 +48,20 @@ def _select_before_norm(model: nn.Module) -> _Selection | None:
 
 
 @dataclass
+class _Ahead:
+    """A decode forward started right after a step returned, for the step the scheduler will most
+    likely send next: every row that sampled decodes its new token with the same block table.
+    It runs while the response travels and the scheduler plans, and is used row by row where the
+    next step matches exactly (same request, position, token and blocks). Its only side effect is
+    the K/V of that token at that position, in a slot of the request's own last, partial block,
+    which the scheduler assigns to exactly this token, and which no other request reads before
+    writing it itself (a partial block is never prefix-cached), so a miss is harmless."""
+
+    rows: dict[str, tuple[int, int, tuple[int, ...], int]]  # req_id -> (position, token, blocks, index)
+    logits: mx.array  # [rows, vocab]
+
+
+@dataclass
 class StepStats:
     num_rows: int = 0
     num_tokens: int = 0
@@ -60,7 +74,7 @@ class StepStats:
 class ModelRunner:
     def __init__(self, model: nn.Module, specs: Sequence[LayerSpec], *, vocab_size: int,
                  eos_token_ids: Sequence[int], max_model_len: int, max_logprobs: int, seed: int = 0,
-                 lora_dir: str | None = None, max_loras: int = 8):
+                 lora_dir: str | None = None, max_loras: int = 8, decode_ahead: bool = True):
         self.model = model
         self.specs = list(specs)
         self.vocab_size = vocab_size
@@ -72,6 +86,9 @@ class ModelRunner:
         self.last_stats = StepStats()
         self._selection = _select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
+        self.decode_ahead = decode_ahead
+        self._ahead: _Ahead | None = None
+        self.ahead_hits = self.ahead_misses = 0
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
@@ -80,6 +97,7 @@ class ModelRunner:
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
+        self._ahead = None
         self.model = self.lora.model = None  # type: ignore[assignment]
         self._selection = None
 
@@ -89,11 +107,13 @@ class ModelRunner:
     # --- pool -------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> None:
+        self._ahead = None
         self.pool = None  # free the old pool before allocating the new one
         self.requests.clear()
         self.pool = KVPool(self.specs, num_blocks)
 
     def free(self) -> None:
+        self._ahead = None
         self.pool = None
         self.requests.clear()
 
@@ -119,8 +139,11 @@ class ModelRunner:
         touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at)
                    for s in (row.state for row in plan.rows)]
         apply(self.requests, plan)
+        ahead, self._ahead = self._ahead, None
         try:
-            result = self._run(plan.rows)
+            result = self._run(plan.rows, ahead)
+            if self.decode_ahead:
+                self._start_ahead(plan.rows)
         except BaseException:
             self.requests = live
             for s, blocks, computed, outputs, n, first in touched:
@@ -130,13 +153,44 @@ class ModelRunner:
         self.last_stats.seconds = time.perf_counter() - t0
         return result
 
-    def _run(self, rows: list[Row]) -> ModelRunnerOutput:
+    def _start_ahead(self, rows: list[Row]) -> None:
+        """Start the forward of the likely next decode step (see _Ahead); not evaluated here."""
+        bs = self.pool.block_size  # type: ignore[union-attr]
+        nxt = [Row(r.state, r.end, [r.state.output_token_ids[-1]], r.block_ids, True) for r in rows
+               if r.sample and r.end < len(r.block_ids) * bs and r.end < self.max_model_len]
+        if not nxt:
+            return
+        last: list[mx.array | None] = [None] * len(nxt)
+        self._forward(nxt, list(range(len(nxt))), last, {})
+        logits = mx.concatenate(last, axis=0)  # type: ignore[arg-type]
+        mx.async_eval(logits, self.pool.arrays())  # type: ignore[union-attr]
+        self._ahead = _Ahead({r.state.req_id: (r.start, r.token_ids[0], tuple(r.block_ids[: r.start // bs + 1]), i)
+                              for i, r in enumerate(nxt)}, logits)
+
+    def _take_ahead(self, ahead: _Ahead | None, rows: list[Row], decode: list[int], last: list) -> list[int]:
+        """Fill `last` for the decode rows the ahead forward computed; returns the rest."""
+        if ahead is None:
+            return decode
+        bs = self.pool.block_size  # type: ignore[union-attr]
+        rest = []
+        for i in decode:
+            r = rows[i]
+            got = ahead.rows.get(r.state.req_id)
+            if got is not None and got[:3] == (r.start, r.token_ids[0], tuple(r.block_ids[: r.start // bs + 1])):
+                last[i] = ahead.logits[got[3] : got[3] + 1]
+            else:
+                rest.append(i)
+        self.ahead_hits += len(decode) - len(rest)
+        self.ahead_misses += len(ahead.rows) - (len(decode) - len(rest))
+        return rest
+
+    def _run(self, rows: list[Row], ahead: _Ahead | None = None) -> ModelRunnerOutput:
         if not rows:
             self.last_stats = StepStats()
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
-        prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         last: list[mx.array | None] = [None] * len(rows)
+        decode = self._take_ahead(ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
+        prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
         for group in (decode, prefill):
             if group:

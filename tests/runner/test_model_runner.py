@@ -25,6 +25,7 @@ def test_batched_chunked_matches_mlx_lm(make_worker, oracle_model, model: str) -
     for i, p in enumerate(ps):
         d.add(f"r{i}", p, {"temperature": 0.0, "logprobs": 0})
     got = d.run(24, chunk=16)
+    assert w.runner.ahead_hits > 0  # the overlapped decode forward was used
     for i, p in enumerate(ps):
         want, want_lp = mlx_lm_greedy(oracle_model(model), p, 24)
         assert got[f"r{i}"] == want, f"prompt {i} (len {len(p)})"
@@ -206,3 +207,48 @@ def test_quantized_model_matches_mlx_lm(home: str, make_worker, tmp_path) -> Non
     oracle = load_model(dst)[0]
     for i, p in enumerate(ps):
         assert got[f"q{i}"] == mlx_lm_greedy(oracle, p, 12)[0]
+
+
+def test_decode_ahead_is_invisible_to_the_scheduler(make_worker, oracle_model) -> None:
+    """The reference scheduler, with chunking, prefix hits, preemption and finishes, gets the same
+    tokens with the overlapped decode forward on and off, and they are mlx-lm's."""
+    from sidecar.scheduler import Request, Scheduler, run
+
+    ps = prompts(512, [40, 9, 33, 17, 40, 3], seed=7)
+    ps[4] = ps[0][:32] + ps[4][32:]  # a shared prefix: real prefix-cache hits
+    results = []
+    for ahead in (True, False):
+        w = make_worker(num_blocks=24, decode_ahead=ahead)
+        sched = Scheduler(num_blocks=10, block_size=16, max_num_seqs=4, max_num_batched_tokens=24)
+        for i, p in enumerate(ps):
+            sched.add_request(Request(f"r{i}", p, {"temperature": 0.0}, max_tokens=10 + i, ignore_eos=True))
+        done = run(sched, lambda so: w.execute_model(so).to_wire())
+        results.append({rid: r.output_token_ids for rid, r in done.items()})
+        assert sum(r.num_preemptions for r in done.values()) > 0
+        assert max(r.num_cached_tokens for r in done.values()) > 0
+        if ahead:
+            assert w.runner.ahead_hits > 0 and w.runner.ahead_misses > 0
+        assert w.runner.requests == {}
+    assert results[0] == results[1]
+    for i, p in enumerate(ps):
+        assert results[0][f"r{i}"] == mlx_lm_greedy(oracle_model("builtin:tiny"), p, 10 + i)[0]
+
+
+def test_decode_ahead_miss_uses_the_scheduler_token(make_worker) -> None:
+    """When the scheduler states another token than the one sampled (new_token_ids), the
+    precomputed forward is discarded and the stated token is computed."""
+    outs = []
+    for ahead in (True, False):
+        w = make_worker(decode_ahead=ahead)
+        d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+        d.add("a", list(range(3, 20)))
+        d.step(chunk=32)
+        so = d.build(chunk=1)
+        so["scheduled_cached_reqs"]["new_token_ids"] = [[77]]  # override the sampled token
+        d.reqs["a"].out[-1] = 77
+        d.commit(so, w.execute_model(so).to_wire())
+        d.run(5)
+        outs.append(d.reqs["a"].out)
+        if ahead:
+            assert w.runner.ahead_misses > 0
+    assert outs[0] == outs[1]
