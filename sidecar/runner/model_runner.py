@@ -47,6 +47,21 @@ def _select_before_norm(model: nn.Module) -> _Selection | None:
     return sel
 
 
+def _padding_bounded_groups(rows: list[int], lengths: list[int], slack: float = 1.25) -> list[list[int]]:
+    """Split prefill rows into padded batches that compute at most `slack` x the real tokens:
+    longest first, a row joins while the batch's padded size stays within the bound."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(rows, key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slack * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
 @dataclass
 class _Ahead:
     """A decode forward started right after a step returned, for the step the scheduler will most
@@ -192,7 +207,7 @@ class ModelRunner:
         decode = self._take_ahead(ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
-        for group in (decode, prefill):
+        for group in [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]:
             if group:
                 self._forward([rows[i] for i in group], group, last, prompt_lp)
         logits = mx.concatenate([x for x in last], axis=0)  # type: ignore[misc]
