@@ -83,9 +83,14 @@ def versions() -> dict[str, str]:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = "?"
+    here = Path(__file__).resolve().parent
     try:
         out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                                    cwd=Path(__file__).resolve().parent).stdout.strip()
+                                    cwd=here).stdout.strip()
+        # Uncommitted changes under sidecar/ at the start: the figures are for that tree, not the commit.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], capture_output=True,
+                               text=True, timeout=5, cwd=here).stdout.split("\n")
+        out["git_dirty"] = " ".join(sorted(line[3:] for line in dirty if line.strip()))
     except (OSError, subprocess.SubprocessError):
         pass
     return out
@@ -108,6 +113,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
     t_start = time.perf_counter()
     log = log or scenarios.log_to_stderr(t_start)
     busy = _cpu_busy()
+    code = versions()  # before the servers start: the code they run
     path = resolve_model(params.model, params.home)  # generate a built-in once, before the server looks
     servers: list[ServerProcess] = []
     sides: list[SidecarSide] = []
@@ -181,9 +187,9 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
         "model_path": str(path),
         "backend_label": f"MLX {machine['backend'].upper()} backend",
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "mlx_version": versions().get("mlx"),
-        "mlx_lm_version": versions().get("mlx-lm"),
-        "versions": versions(),
+        "mlx_version": code.get("mlx"),
+        "mlx_lm_version": code.get("mlx-lm"),
+        "versions": code,
         "machine": machine,
         "params": params.to_json(),
         "stage_seconds": timings,
@@ -198,7 +204,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
 def render(doc: dict[str, Any]) -> str:
     head = (f"mlx-sidecar bench ({doc['profile']}) - {doc['model']} - {doc['backend_label']} - "
             f"{doc['machine'].get('cpu', doc['machine']['machine'])}, {doc['machine']['cpu_count']} cores - "
-            f"mlx {doc['mlx_version']}, mlx-lm {doc['mlx_lm_version']}")
+            f"mlx {doc['mlx_version']}, mlx-lm {doc['mlx_lm_version']}, sidecar {doc['versions'].get('git', '?')}"
+            + (" (+ uncommitted changes)" if doc["versions"].get("git_dirty") else ""))
     parts = [head, "", table(doc)]
     if doc.get("sweep"):
         parts += ["", "throughput against concurrency (generated tokens/s, prefill included):",
