@@ -32,8 +32,8 @@ class RemoteError(SidecarError):
         return f"{self.status} {self.type}{where}: {self.message}"
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float):
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 5.0):
         super().__init__("localhost", timeout=timeout)
         self._path = path
 
@@ -65,7 +65,7 @@ class RemoteWorker:
         if self._conn is None:
             u = urlparse(self.url)
             if u.scheme == "unix":
-                self._conn = _UnixConnection(u.path, self.timeout)
+                self._conn = UnixConnection(u.path, self.timeout)
             else:
                 self._conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout)
         return self._conn

@@ -30,6 +30,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from sidecar.client import UnixConnection
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -140,7 +142,7 @@ def spawn(*flags: str, env: Mapping[str, str | None] | None = None) -> Server:
 def _probe(server: Server, path: str) -> tuple[int, bytes] | None:
     """GET path with the standard library (closing the socket whatever happens); None if refused."""
     if server.uds:
-        conn: http.client.HTTPConnection = _UnixHTTPConnection(server.uds)
+        conn: http.client.HTTPConnection = UnixConnection(server.uds)
     else:
         u = urlparse(server.url)
         conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=5)
@@ -152,22 +154,6 @@ def _probe(server: Server, path: str) -> tuple[int, bytes] | None:
         return None
     finally:
         conn.close()
-
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str):
-        super().__init__("localhost", timeout=5)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 def start_server(*flags: str, env: Mapping[str, str | None] | None = None, ready: bool | None = None,
