@@ -38,11 +38,6 @@ class Unavailable(SidecarError):
     type = "unavailable"
 
 
-class NotSupported(SidecarError):
-    status = 501
-    type = "not_implemented"
-
-
 class PayloadTooLarge(SidecarError):
     status = 413
     type = "payload_too_large"
