@@ -77,7 +77,6 @@ def verdict(goal: Goal, value: Any) -> str:
 def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     out = []
     for g in GOALS:
-        # The msgpack row names its n (the JSON key says 256 whatever n was asked for).
         key = g.key
         value = results.get(key, math.nan)
         shown = f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sidecar.bench.params import BenchParams
-from sidecar.bench.sides import MlxLmSide, RunResult, ServerProcess, SidecarSide, StepRecord, requests_for
+from sidecar.bench.sides import MlxLmSide, RunResult, ServerProcess, SidecarSide, requests_for
 from sidecar.scheduler import Scheduler
 
 perf = time.perf_counter
@@ -424,6 +424,3 @@ def log_to_stderr(t0: float) -> Callable[[str], None]:
         print(f"[bench {perf() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     return log
-
-
-__all__ = ["Bench", "StepRecord"]
