@@ -54,22 +54,26 @@ def decode_body(body: bytes, content_type: str) -> dict:
     return value
 
 
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def _check_tree(root: Any) -> None:
     # Iterative walk: no recursion limit to hit, and a depth bound the unpackers don't give us.
+    # Lists of scalars (token ids, the bulk of a body) are cleared in C by their set of types.
     stack = [(root, 1, "")]
     while stack:
         node, depth, path = stack.pop()
         if depth > MAX_DEPTH:
             raise ProtocolError(f"nesting deeper than {MAX_DEPTH}", field=path or None)
-        if isinstance(node, dict):
+        if type(node) is dict:
             for k, v in node.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                if type(k) is not str and (type(k) is not int):
                     raise ProtocolError(f"map keys must be strings, got {type(k).__name__}", field=path or None)
-                if isinstance(v, (dict, list)):
+                if type(v) is dict or type(v) is list:
                     stack.append((v, depth + 1, f"{path}.{k}" if path else str(k)))
-        elif isinstance(node, list):
+        elif not set(map(type, node)) <= _SCALARS:
             for i, v in enumerate(node):
-                if isinstance(v, (dict, list)):
+                if type(v) is dict or type(v) is list:
                     stack.append((v, depth + 1, f"{path}[{i}]"))
 
 

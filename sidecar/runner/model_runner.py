@@ -19,7 +19,7 @@ from sidecar.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.kv_cache import BatchLayout, KVPool, LayerSpec, PagedCache
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
-from sidecar.runner.sampler import Sampler, SamplingRow, prompt_logprobs
+from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs
 
 
 class _Selection:
@@ -156,10 +156,9 @@ class ModelRunner:
         apply(self.requests, plan)
         ahead, self._ahead = self._ahead, None
         try:
-            result = self._run(plan.rows, ahead)
-            if self.decode_ahead:
-                self._start_ahead(plan.rows)
+            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead)
         except BaseException:
+            self._ahead = None
             self.requests = live
             for s, blocks, computed, outputs, n, first in touched:
                 del outputs[n:]
@@ -168,19 +167,21 @@ class ModelRunner:
         self.last_stats.seconds = time.perf_counter() - t0
         return result
 
-    def _start_ahead(self, rows: list[Row]) -> None:
-        """Start the forward of the likely next decode step (see _Ahead); not evaluated here."""
+    def _start_ahead(self, rows: list[Row], tokens: mx.array) -> tuple[list[int], mx.array] | None:
+        """Queue the forward of the likely next decode step (see _Ahead) on this step's tokens
+        [rows], which may still be lazy: then it follows the sampling without a gap, as mlx-lm's
+        generate loop does. Returns the rows it covers and its logits."""
         bs = self.pool.block_size  # type: ignore[union-attr]
-        nxt = [Row(r.state, r.end, [r.state.output_token_ids[-1]], r.block_ids, True) for r in rows
-               if r.sample and r.end < len(r.block_ids) * bs and r.end < self.max_model_len]
-        if not nxt:
-            return
+        idx = [i for i, r in enumerate(rows) if r.sample and r.end < len(r.block_ids) * bs and r.end < self.max_model_len
+               and len(r.state.output_token_ids) + 1 < (r.state.sampling_params.max_tokens or 1 << 62)]
+        if not idx:
+            return None
+        nxt = [Row(rows[i].state, rows[i].end, [0], rows[i].block_ids, True) for i in idx]
         last: list[mx.array | None] = [None] * len(nxt)
-        self._forward(nxt, list(range(len(nxt))), last, {})
+        self._forward(nxt, list(range(len(nxt))), last, {}, tokens=tokens[mx.array(idx)][:, None])
         logits = mx.concatenate(last, axis=0)  # type: ignore[arg-type]
         mx.async_eval(logits, self.pool.arrays())  # type: ignore[union-attr]
-        self._ahead = _Ahead({r.state.req_id: (r.start, r.token_ids[0], tuple(r.block_ids[: r.start // bs + 1]), i)
-                              for i, r in enumerate(nxt)}, logits)
+        return idx, logits
 
     def _take_ahead(self, ahead: _Ahead | None, rows: list[Row], decode: list[int], last: list) -> list[int]:
         """Fill `last` for the decode rows the ahead forward computed; returns the rest."""
@@ -199,7 +200,7 @@ class ModelRunner:
         self.ahead_misses += len(ahead.rows) - (len(decode) - len(rest))
         return rest
 
-    def _run(self, rows: list[Row], ahead: _Ahead | None = None) -> ModelRunnerOutput:
+    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False) -> ModelRunnerOutput:
         if not rows:
             self.last_stats = StepStats()
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -211,9 +212,26 @@ class ModelRunner:
             if group:
                 self._forward([rows[i] for i in group], group, last, prompt_lp)
         logits = mx.concatenate([x for x in last], axis=0)  # type: ignore[misc]
-        sample_rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids) for r in rows]
-        res = self.sampler.sample(logits, sample_rows)
-        mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
+        started = None
+        if start_ahead and all(_plain_greedy(r) for r in rows):
+            # Sample lazily and queue the next step's forward behind it before waiting.
+            tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
+            mx.async_eval(tokens, nans, self.pool.arrays())
+            started = self._start_ahead(rows, tokens)
+            res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
+        else:
+            sample_rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
+                           for r in rows]
+            res = self.sampler.sample(logits, sample_rows)
+            mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
+            if start_ahead:
+                started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32))
+        if started is not None:
+            bs = self.pool.block_size
+            idx, ahead_logits = started
+            self._ahead = _Ahead({rows[i].state.req_id: (rows[i].end, int(res.token_ids[i]),
+                                                         tuple(rows[i].block_ids[: rows[i].end // bs + 1]), j)
+                                  for j, i in enumerate(idx)}, ahead_logits)
 
         now = time.monotonic()
         sampled: list[list[int]] = []
@@ -246,15 +264,20 @@ class ModelRunner:
             num_nans_in_logits=nans or None,
         )
 
-    def _forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict) -> None:
-        """One padded batch; fills `last[where[b]]` with row b's final logits [1, V]."""
+    def _forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
+                 tokens: mx.array | None = None) -> None:
+        """One padded batch; fills `last[where[b]]` with row b's final logits [1, V]. `tokens`
+        [B, L] replaces the rows' token ids (the lazy tokens of a step still being sampled)."""
         pool = self.pool
         assert pool is not None
         lengths = [len(r.token_ids) for r in rows]
         L = max(lengths)
-        tokens = np.zeros((len(rows), L), np.int32)
-        for b, r in enumerate(rows):
-            tokens[b, : lengths[b]] = r.token_ids
+        if tokens is None:
+            ids = np.zeros((len(rows), L), np.int32)
+            for b, r in enumerate(rows):
+                ids[b, : lengths[b]] = r.token_ids
+            tokens = mx.array(ids)
+        inputs = tokens
         layout = BatchLayout.build([r.start for r in rows], lengths, [r.block_ids for r in rows],
                                    pool.block_size, pool.sink)
         # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
@@ -277,9 +300,9 @@ class ModelRunner:
         try:
             if self._selection is not None:
                 self._selection.index = index
-                logits = self.model(mx.array(tokens), cache=caches)[0]
+                logits = self.model(inputs, cache=caches)[0]
             else:
-                logits = self.model(mx.array(tokens), cache=caches).reshape(-1, self.vocab_size)[index]
+                logits = self.model(inputs, cache=caches).reshape(-1, self.vocab_size)[index]
         finally:
             if self._selection is not None:
                 self._selection.index = None
@@ -289,3 +312,10 @@ class ModelRunner:
             last[w] = logits[last_at[b] : last_at[b] + 1]
         for b, first, count, targets in spans:
             prompt_lp[where[b]] = (logits[first : first + count], targets)
+
+
+def _plain_greedy(row: Row) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: argmax is the whole sampler."""
+    p = row.state.sampling_params
+    return (p.greedy and not p.has_penalties and not p.logit_bias and not p.allowed_token_ids
+            and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)

@@ -160,6 +160,7 @@ def test_seeded_sampling_is_the_same_alone_in_a_batch_and_after_preemption(make_
         return out
 
     alone = run(0, False)
+    assert w.runner.ahead_hits > 0  # sampled rows use the overlapped forward too
     assert run(6, False) == alone
     assert run(6, True) == alone
     params["seed"] = 4321  # negative control: another seed, other tokens
@@ -172,18 +173,18 @@ def test_internal_error_rolls_back_and_the_worker_keeps_serving(make_worker, ora
     d.add("a", list(range(3, 20)))
     d.step()
     before = {rid: (s.num_computed_tokens, list(s.output_token_ids), list(s.block_ids)) for rid, s in w.runner.requests.items()}
-    real = w.runner.sampler.sample
+    real = w.runner._forward
 
-    def boom(*args: object) -> None:
+    def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(w.runner.sampler, "sample", boom)
+    monkeypatch.setattr(w.runner, "_forward", boom)
     so = d.build(chunk=16)
     with pytest.raises(RuntimeError, match="injected"):
         w.execute_model(so)
     after = {rid: (s.num_computed_tokens, list(s.output_token_ids), list(s.block_ids)) for rid, s in w.runner.requests.items()}
     assert after == before
-    monkeypatch.setattr(w.runner.sampler, "sample", real)
+    monkeypatch.setattr(w.runner, "_forward", real)
     d.commit(so, w.execute_model(so).to_wire())  # the same step now succeeds
     assert d.reqs["a"].out == mlx_lm_greedy(oracle_model("builtin:tiny"), list(range(3, 20)), 1)[0]
 
