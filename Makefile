@@ -19,6 +19,7 @@ serve: install
 	$(VENV)/bin/mlx-sidecar serve --preload $(ARGS)
 
 test: install
+	sh scripts/ensure-prometheus.sh
 	$(PY) -m pytest -q $(ARGS)
 
 bench: install
