@@ -34,6 +34,8 @@ class Driver:
         self.preempted: list[str] = []
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"the test driver is out of blocks ({n} wanted, {len(self.free)} free)")
         taken, self.free = self.free[:n], self.free[n:]
         return taken
 
