@@ -7,6 +7,7 @@ It brings a fresh worker up to `ready` itself (the calls a scheduler makes at st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -58,7 +59,8 @@ class StreamPrinter:
 
 
 def generate_cli(args: argparse.Namespace) -> int:
-    token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else None
+    token = (Path(args.auth_token_file).read_text().strip() if args.auth_token_file
+             else os.environ.get("MLX_SIDECAR_AUTH_TOKEN", "").strip() or None)
     worker = RemoteWorker(args.url, token=token)
     try:
         bring_up(worker, worker.info()["state"])
