@@ -1,8 +1,10 @@
 """The model runner: batch building, forward through the paged cache, sampling, output.
 
-A step's rows are split into decode rows (one token) and prefill chunks, each run as one padded
-batch, so a long chunk never pads 63 decodes up to its length. Only the positions whose logits are
-needed (each row's last, plus prompt-logprob positions) go through the final norm and LM head.
+A step's rows are split into decode rows (one token) and prefill chunks of similar length, each
+run as one padded batch, so a long chunk never pads 63 decodes (or a short chunk) up to its length.
+Only the positions whose logits are needed (each row's last, plus prompt-logprob positions) go
+through the final norm and LM head. After a step, the likely next decode forward is queued
+(`_Ahead`) so it overlaps the RPC round trip.
 """
 
 from __future__ import annotations
@@ -277,7 +279,6 @@ class ModelRunner:
             for b, r in enumerate(rows):
                 ids[b, : lengths[b]] = r.token_ids
             tokens = mx.array(ids)
-        inputs = tokens
         layout = BatchLayout.build([r.start for r in rows], lengths, [r.block_ids for r in rows],
                                    pool.block_size, pool.sink)
         # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
@@ -300,9 +301,9 @@ class ModelRunner:
         try:
             if self._selection is not None:
                 self._selection.index = index
-                logits = self.model(inputs, cache=caches)[0]
+                logits = self.model(tokens, cache=caches)[0]
             else:
-                logits = self.model(inputs, cache=caches).reshape(-1, self.vocab_size)[index]
+                logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)[index]
         finally:
             if self._selection is not None:
                 self._selection.index = None
