@@ -21,16 +21,7 @@ usage: $0 [--model M] [--port N] [--token-file F] [--program P] [--system [--use
   --dry-run       print the rendered plist and the commands instead of running them
 USAGE
 }
-die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
-show() { # print a command, shell-quoted
-	out=+
-	for a in "$@"; do
-		case $a in *[!A-Za-z0-9_./:=@%+-]* | '') a="'$(printf '%s' "$a" | sed "s/'/'\\\\''/g")'" ;; esac
-		out="$out $a"
-	done
-	printf '%s\n' "$out"
-}
-run() { if [ "$dry_run" = 1 ]; then show "$@"; else "$@"; fi; }
+. "$(dirname "$0")/common.sh"
 
 while [ $# -gt 0 ]; do
 	case $1 in
