@@ -13,7 +13,7 @@ from typing import Any, Callable
 import msgpack
 
 from sidecar.errors import ProtocolError
-from sidecar.runner.sampler import SamplingParams
+from sidecar.sampling_params import SamplingParams
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 JSON_TYPE = "application/json"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from sidecar.errors import ProtocolError
 from sidecar.protocol import SchedulerOutput
-from sidecar.runner.sampler import SamplingParams
+from sidecar.sampling_params import SamplingParams
 
 
 @dataclass
