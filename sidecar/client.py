@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import msgpack
 
 from sidecar.errors import SidecarError
-from sidecar.protocol import LogprobsLists, ModelRunnerOutput
+from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 
 MSGPACK = "application/msgpack"
 
@@ -175,7 +175,9 @@ class RemoteWorker:
 
 
 def output_from_wire(d: dict) -> ModelRunnerOutput:
-    def lists(x: dict | None) -> LogprobsLists | None:
+    def lists(x: dict | None) -> LogprobsLists | PromptLogprobs | None:
+        if x is not None and "selected_token_ranks" in x:
+            return PromptLogprobs(**x)
         return None if x is None else LogprobsLists(**x)
 
     return ModelRunnerOutput(

@@ -144,6 +144,9 @@ class NewRequestData:
     block_ids: list[list[int]]
     num_computed_tokens: int
     lora_request: dict | None = None
+    # v2: vLLM's model runner V2 resumes a preempted request as a new one carrying every known
+    # token (prompt + outputs so far); its state replaces the old one of the same id.
+    prefill_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -164,6 +167,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    # v2: copy-on-write block copies (src, dst), applied to the pool before the forward.
+    kv_cache_block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -184,7 +189,19 @@ class SchedulerOutput:
             total_num_scheduled_tokens=get(d, "total_num_scheduled_tokens", int),
             finished_req_ids=list_of(get(d, "finished_req_ids", list, default=[]), "finished_req_ids", _str),
             preempted_req_ids=list_of(get(d, "preempted_req_ids", list, default=[]), "preempted_req_ids", _str),
+            kv_cache_block_copies=list_of(get(d, "kv_cache_block_copies", list, default=[]), "kv_cache_block_copies",
+                                          _block_copy),
         )
+
+
+def _block_copy(v: Any, path: str) -> tuple[int, int]:
+    """vLLM's KVCacheBlockCopy(src_block_id, dst_block_id): a 2-array, or a map with those names."""
+    if isinstance(v, dict):
+        return get(v, "src_block_id", int, path), get(v, "dst_block_id", int, path)
+    pair = int_list(v, path)
+    if len(pair) != 2:
+        raise ProtocolError(f"a block copy is [src_block_id, dst_block_id], got {len(pair)} entries", field=path)
+    return pair[0], pair[1]
 
 
 def _str(v: Any, path: str) -> str:
@@ -211,7 +228,19 @@ def _new_request(d: Any, path: str, vocab_size: int, max_logprobs: int) -> NewRe
         block_ids=block_groups(get(d, "block_ids", list, path), _join(path, "block_ids")),
         num_computed_tokens=get(d, "num_computed_tokens", int, path, default=0),
         lora_request=lora,
+        prefill_token_ids=_prefill_tokens(d, path, prompt),
     )
+
+
+def _prefill_tokens(d: dict, path: str, prompt: list[int]) -> list[int] | None:
+    toks = get(d, "prefill_token_ids", (list, type(None)), path, default=None)
+    if toks is None:
+        return None
+    p = _join(path, "prefill_token_ids")
+    int_list(toks, p)
+    if toks[: len(prompt)] != prompt:
+        raise ProtocolError("prefill_token_ids must start with prompt_token_ids", field=p)
+    return toks
 
 
 def _cached_requests(d: dict) -> CachedRequestData:
@@ -221,6 +250,8 @@ def _cached_requests(d: dict) -> CachedRequestData:
 
     def per_req(key: str, item: Callable[[Any, str], Any], default: Any) -> list:
         values = list_of(get(d, key, list, path, default=[default] * n), _join(path, key), item)
+        if key == "new_token_ids" and not values:  # v2: vLLM sends [] unless pipeline-parallel
+            values = [[] for _ in range(n)]
         if len(values) != n:
             raise ProtocolError(f"{key} has {len(values)} entries for {n} req_ids", field=_join(path, key))
         return values
@@ -251,17 +282,30 @@ class LogprobsLists:
 
 
 @dataclass
+class PromptLogprobs:
+    """v2 (`prompt_logprobs_whole`): a request's whole prompt logprobs, in vLLM's LogprobsTensors
+    shape: rows are prompt positions 1..P-1, column 0 the prompt token, then the top-k."""
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    selected_token_ranks: list[int]
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
-    prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
+    prompt_logprobs_dict: dict[str, LogprobsLists | PromptLogprobs | None] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] | None = None
 
     def to_wire(self) -> dict:
         # By hand: dataclasses.asdict deep-copies every leaf, a measurable cost per step.
-        def lists(x: LogprobsLists | None) -> dict | None:
+        def lists(x: LogprobsLists | PromptLogprobs | None) -> dict | None:
+            if isinstance(x, PromptLogprobs):
+                return {"logprob_token_ids": x.logprob_token_ids, "logprobs": x.logprobs,
+                        "selected_token_ranks": x.selected_token_ranks}
             return None if x is None else {
                 "logprob_token_ids": x.logprob_token_ids, "logprobs": x.logprobs,
                 "sampled_token_ranks": x.sampled_token_ranks, "cu_num_generated_tokens": x.cu_num_generated_tokens}

@@ -30,6 +30,11 @@ class SamplingParams:
     logprobs: int | None = None  # k; -1 = whole vocabulary
     prompt_logprobs: int | None = None  # k; -1 = whole vocabulary
     max_tokens: int | None = None  # accepted, unused: stops are the scheduler's
+    # v2: the model's eos ids join stop_token_ids in min_tokens masking unless ignore_eos is set
+    # or the scheduler sent the complete set (`all_stop_token_ids`, as vLLM computes it).
+    ignore_eos: bool = False
+    stops_complete: bool = False
+    prompt_logprobs_whole: bool = False  # v2: all of a prompt's logprobs in the step of its first token
 
     @property
     def greedy(self) -> bool:
@@ -102,12 +107,23 @@ class SamplingParams:
                 if not w:
                     raise ProtocolError("a bad word must have at least one token", field=f"{f(name)}[{i}]")
         stops: tuple[int, ...] = ()
-        for name in ("stop_token_ids", "_all_stop_token_ids"):
+        for name in ("stop_token_ids", "_all_stop_token_ids", "all_stop_token_ids"):
             if (v := get(name)) is not None:
                 stops += _tokens(v, vocab_size, f(name))
+                kw["stops_complete"] = kw.get("stops_complete", False) or name != "stop_token_ids"
         if stops:
             kw["stop_token_ids"] = tuple(dict.fromkeys(stops))
+        for name in ("ignore_eos", "prompt_logprobs_whole"):
+            if (v := get(name)) is not None:
+                if not isinstance(v, bool):
+                    raise ProtocolError("must be a boolean", field=f(name))
+                kw[name] = v
         return cls(**kw)
+
+    @property
+    def adds_eos(self) -> bool:
+        """Whether min_tokens also masks the model's eos ids."""
+        return not (self.ignore_eos or self.stops_complete)
 
 
 def _real(v: Any, field: str) -> float:

@@ -45,7 +45,7 @@ _LOADED = {S.MODEL_LOADED, S.CACHE_READY, S.READY}
 _CACHED = {S.CACHE_READY, S.READY}
 # method -> (states it is allowed in, what must come first)
 ALLOWED: dict[str, tuple[set[State], str]] = {
-    "init_device": ({S.CREATED, S.DEVICE_READY, S.SHUT_DOWN}, "call shutdown first"),
+    "init_device": (set(State), ""),  # v2: from any state (a restarted scheduler starts over)
     "load_model": ({S.DEVICE_READY}, "call init_device first (load_model runs once per init_device)"),
     "determine_available_memory": (_LOADED, "call load_model first"),
     "get_kv_cache_spec": (_LOADED | {S.SLEEPING}, "call load_model first"),
@@ -56,6 +56,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "initialize_from_config": (_LOADED, "call load_model first"),
     "compile_or_warm_up_model": (_CACHED, "call initialize_cache first"),
     "execute_model": (_CACHED, "call initialize_cache first"),
+    "sample_tokens": (_CACHED, "call execute_model(defer_sampling=True) first"),
     "sleep": (_CACHED, "call initialize_cache first"),
     "wake_up": ({S.SLEEPING}, "call sleep first"),
     "check_health": (set(State), ""),
@@ -136,11 +137,19 @@ class MLXWorker:
 
     @lifecycle
     def init_device(self, config: dict | None = None) -> None:
+        """From any state: past `device_ready` the model and cache are dropped first (v2), so a
+        restarted scheduler can re-initialise a running worker."""
         if config:
             try:
-                self.config = self.config.replace(**check(config, dict, "config"))
+                new_config = self.config.replace(**check(config, dict, "config"))
             except ConfigError as e:
                 raise ProtocolError(str(e), field=f"config.{e.key}") from None
+        else:
+            new_config = self.config
+        if self.state not in (S.CREATED, S.DEVICE_READY, S.SHUT_DOWN):
+            log.info("init_device in state %s: dropping the model and cache first", self.state.value)
+            self.shutdown()
+        self.config = new_config
         want = self.config.device
         if want == "gpu" and not _gpu_available():
             raise ProtocolError("no GPU (Metal or CUDA) is available to MLX here", field="config.device")
@@ -208,8 +217,21 @@ class MLXWorker:
         ]
 
     @lifecycle
-    def determine_available_memory(self) -> int:
+    def determine_available_memory(self, kv_cache_memory_bytes: int | None = None,
+                                   gpu_memory_utilization: float | None = None) -> int:
+        """Bytes for the KV pool. v2: vLLM's `kv_cache_memory_bytes` is taken as is (checked
+        against the device), `gpu_memory_utilization` overrides the configured fraction."""
         assert self.runner is not None
+        if kv_cache_memory_bytes is not None:
+            check(kv_cache_memory_bytes, int, "kv_cache_memory_bytes")
+            if not 0 < kv_cache_memory_bytes <= device_memory_bytes():
+                raise ProtocolError(f"must be in (0, {device_memory_bytes()}] bytes", field="kv_cache_memory_bytes")
+            return kv_cache_memory_bytes
+        fraction = self.config.gpu_memory_utilization
+        if gpu_memory_utilization is not None:
+            fraction = check(gpu_memory_utilization, float, "gpu_memory_utilization")
+            if not 0 < fraction <= 1:
+                raise ProtocolError("must be in (0, 1]", field="gpu_memory_utilization")
         mx.eval(self.model.parameters())  # type: ignore[union-attr]
         mx.clear_cache()
         before = mx.get_active_memory()
@@ -217,7 +239,7 @@ class MLXWorker:
         self._profile_run()
         self.activation_peak_bytes = max(0, mx.get_peak_memory() - before)
         mx.clear_cache()
-        total = int(device_memory_bytes() * self.config.gpu_memory_utilization)
+        total = int(device_memory_bytes() * fraction)
         held = self.runner.pool.nbytes if self.runner.pool else 0  # an existing pool is reusable
         free = total - self.weights_bytes - self.activation_peak_bytes - (mx.get_active_memory() - before) + held
         log.info("determine_available_memory: %d bytes (weights %d, activation peak %d)",
@@ -304,16 +326,27 @@ class MLXWorker:
         self.initialize_cache(num_blocks, 0)
 
     @lifecycle
-    def compile_or_warm_up_model(self) -> float:
+    def compile_or_warm_up_model(self, compilation_times: bool = False) -> float | dict:
+        """Seconds spent; v2 `compilation_times=True`: vLLM's CompilationTimes shape
+        `{"language_model": s, "encoder": 0.0}`."""
+        check(compilation_times, bool, "compilation_times")
         seconds = self._profile_run()
         mx.clear_cache()
         self.state = S.READY
-        return seconds
+        return {"language_model": seconds, "encoder": 0.0} if compilation_times else seconds
 
     @lifecycle
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: Any, defer_sampling: bool = False) -> ModelRunnerOutput | None:
+        """v2 `defer_sampling=True`: run the forward, return null; `sample_tokens` samples it."""
         assert self.runner is not None
-        return self.runner.execute_model(self.runner.decode(scheduler_output))
+        check(defer_sampling, bool, "defer_sampling")
+        return self.runner.execute_model(self.runner.decode(scheduler_output), defer_sampling)
+
+    @lifecycle
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        """v2: sample the deferred step; `grammar_output` is vLLM's GrammarOutput or null."""
+        assert self.runner is not None
+        return self.runner.sample_tokens(grammar_output)
 
     @lifecycle
     def check_health(self) -> None:

@@ -68,6 +68,20 @@ class KVPool:
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """vLLM's kv_cache_block_copies: block dst becomes a copy of block src, in every layer
+        (all sources are read before any destination is written)."""
+        if not copies:
+            return
+        bs = self.block_size
+        within = np.arange(bs)
+        src = mx.array(np.concatenate([s * bs + within for s, _ in copies]).astype(np.int32))
+        dst = mx.array(np.concatenate([d * bs + within for _, d in copies]).astype(np.int32))
+        for pool in (self.keys, self.values):
+            for i, a in enumerate(pool):
+                a[dst] = a[src]
+                pool[i] = a
+
 
 @dataclass
 class BatchLayout:

@@ -17,7 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from sidecar.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from sidecar.errors import StateError
+from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.kv_cache import BatchLayout, KVPool, LayerSpec, PagedCache
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
@@ -79,6 +81,17 @@ class _Ahead:
 
 
 @dataclass
+class _Pending:
+    """A step whose sampling waits for `sample_tokens` (v2 two-phase step): its forward is queued."""
+
+    rows: list[Row]
+    logits: mx.array | None
+    prompt_lp: dict
+    restore: Any  # rolls the step's request state back
+    started: float
+
+
+@dataclass
 class StepStats:
     num_rows: int = 0
     num_tokens: int = 0
@@ -106,6 +119,7 @@ class ModelRunner:
         self.decode_ahead = decode_ahead
         self._ahead: _Ahead | None = None
         self.ahead_hits = self.ahead_misses = 0
+        self._pending: _Pending | None = None
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
@@ -124,13 +138,13 @@ class ModelRunner:
     # --- pool -------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> None:
-        self._ahead = None
+        self._ahead = self._pending = None
         self.pool = None  # free the old pool before allocating the new one
         self.requests.clear()
         self.pool = KVPool(self.specs, num_blocks)
 
     def free(self) -> None:
-        self._ahead = None
+        self._ahead = self._pending = None
         self.pool = None
         self.requests.clear()
 
@@ -146,8 +160,12 @@ class ModelRunner:
     def decode(self, d: Any) -> SchedulerOutput:
         return SchedulerOutput.from_wire(d, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput, defer_sampling: bool = False) -> ModelRunnerOutput | None:
+        """Run a step. With `defer_sampling` (v2) the forward is queued and None returned;
+        `sample_tokens` then samples it (with a grammar bitmask) and returns the output."""
         assert self.pool is not None, "the cache must be initialised first"
+        if self._pending is not None:
+            raise StateError("execute_model: the previous step waits for sample_tokens; call sample_tokens first")
         t0 = time.perf_counter()
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys())
@@ -155,18 +173,48 @@ class ModelRunner:
         live = dict(self.requests)
         touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at)
                    for s in (row.state for row in plan.rows)]
-        apply(self.requests, plan)
-        ahead, self._ahead = self._ahead, None
-        try:
-            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead)
-        except BaseException:
-            self._ahead = None
+
+        def restore() -> None:
+            self._ahead = self._pending = None
             self.requests = live
             for s, blocks, computed, outputs, n, first in touched:
                 del outputs[n:]
                 s.block_ids, s.num_computed_tokens, s.output_token_ids, s.first_token_at = blocks, computed, outputs, first
+
+        apply(self.requests, plan)
+        ahead, self._ahead = self._ahead, None
+        try:
+            if plan.block_copies:  # before the forward; the queued decode may read a destination
+                ahead = None
+                self.pool.copy_blocks(plan.block_copies)
+            if defer_sampling:
+                logits, prompt_lp = self._logits(plan.rows, ahead)
+                if logits is not None:
+                    mx.async_eval(logits, self.pool.arrays())
+                self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
+                self.last_stats = StepStats()
+                return None
+            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead)
+        except BaseException:
+            restore()
             raise
         self.last_stats.seconds = time.perf_counter() - t0
+        return result
+
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        """Sample the step `execute_model(defer_sampling=True)` queued, applying vLLM's grammar
+        bitmask (validated first: a rejected call leaves the step pending)."""
+        p = self._pending
+        if p is None:
+            raise StateError("sample_tokens: no step is pending; call execute_model with defer_sampling first")
+        grammar = decode_grammar(grammar_output, [r.state.req_id for r in p.rows], self.vocab_size)
+        self._pending = None
+        try:
+            result = self._finish(p.rows, p.logits, p.prompt_lp, self.decode_ahead, grammar)
+        except BaseException:
+            p.restore()
+            raise
+        self.last_stats.seconds = time.perf_counter() - p.started
         return result
 
     def _start_ahead(self, rows: list[Row], tokens: mx.array) -> tuple[list[int], mx.array] | None:
@@ -203,9 +251,12 @@ class ModelRunner:
         return rest
 
     def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False) -> ModelRunnerOutput:
+        return self._finish(rows, *self._logits(rows, ahead), start_ahead)
+
+    def _logits(self, rows: list[Row], ahead: _Ahead | None) -> tuple[mx.array | None, dict]:
+        """The step's forward (lazy): each row's last logits [rows, V] and prompt-logprob spans."""
         if not rows:
-            self.last_stats = StepStats()
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            return None, {}
         last: list[mx.array | None] = [None] * len(rows)
         decode = self._take_ahead(ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
@@ -213,9 +264,17 @@ class ModelRunner:
         for group in [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]:
             if group:
                 self._forward([rows[i] for i in group], group, last, prompt_lp)
-        logits = mx.concatenate([x for x in last], axis=0)  # type: ignore[misc]
+        return mx.concatenate([x for x in last], axis=0), prompt_lp  # type: ignore[misc]
+
+    def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, start_ahead: bool,
+                grammar: GrammarMask | None = None) -> ModelRunnerOutput:
+        """Sample the step's logits and build its output."""
+        if logits is None:
+            self.last_stats = StepStats()
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        logits = apply_grammar(logits, grammar)
         started = None
-        if start_ahead and all(_plain_greedy(r) for r in rows):
+        if start_ahead and grammar is None and all(_plain_greedy(r) for r in rows):
             # Sample lazily and queue the next step's forward behind it before waiting.
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
             mx.async_eval(tokens, nans, self.pool.arrays())
@@ -252,10 +311,21 @@ class ModelRunner:
         logprobs = None
         if res.logprob_token_ids is not None:
             logprobs = LogprobsLists(res.logprob_token_ids, res.logprobs, res.sampled_token_ranks)  # type: ignore[arg-type]
-        plp_dict: dict[str, LogprobsLists | None] = {}
+        plp_dict: dict[str, LogprobsLists | PromptLogprobs | None] = {}
         for i, (lg, targets) in prompt_lp.items():
             ids, lps, ranks = prompt_logprobs(lg, targets, rows[i].state.sampling_params.prompt_logprobs)  # type: ignore[arg-type]
-            plp_dict[req_ids[i]] = LogprobsLists(ids, lps, ranks)
+            if rows[i].state.sampling_params.prompt_logprobs_whole:
+                if rows[i].start == 0:  # a recomputation (after preemption) starts over
+                    rows[i].state.prompt_lp_parts.clear()
+                rows[i].state.prompt_lp_parts.append((ids, lps, ranks))
+            else:
+                plp_dict[req_ids[i]] = LogprobsLists(ids, lps, ranks)
+        for i, r in enumerate(rows):  # v2: whole, in the step that samples the first token
+            if r.sample and r.state.sampling_params.prompt_logprobs_whole and len(r.state.output_token_ids) == 1:
+                parts = r.state.prompt_lp_parts
+                plp_dict[req_ids[i]] = PromptLogprobs([x for p in parts for x in p[0]], [x for p in parts for x in p[1]],
+                                                      [x for p in parts for x in p[2]])
+                r.state.prompt_lp_parts = []
         nans = {rid: n for rid, n in zip(req_ids, res.num_nans) if n}
         prompt_tokens = sum(max(0, min(r.end, len(r.state.prompt_token_ids)) - r.start) for r in rows)
         self.last_stats = StepStats(len(rows), sum(len(r.token_ids) for r in rows), prompt_tokens,

@@ -25,6 +25,8 @@ class RequestState:
     lora_request: dict | None = None
     first_seen: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    preempted: bool = False  # listed in preempted_req_ids: a new request may take over its id (v2)
+    prompt_lp_parts: list = field(default_factory=list)  # prompt_logprobs_whole: chunks so far
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +65,8 @@ class StepPlan:
     # cached requests: (state, new block table, new output tokens or None)
     updates: list[tuple[RequestState, list[int], list[int] | None]]
     rows: list[Row]
+    preempted: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _group0(groups: list[list[int]], path: str) -> list[int]:
@@ -113,23 +117,35 @@ def plan_step(
             if not 0 <= t < vocab_size:
                 raise ProtocolError(f"token id {t} outside [0, {vocab_size})", field=f"{path}[{j}]")
 
+    preempted = set(out.preempted_req_ids)
+    for i, (src, dst) in enumerate(out.kv_cache_block_copies):
+        for j, b in enumerate((src, dst)):
+            if not 0 <= b < num_blocks:
+                raise ProtocolError(f"block id {b} outside [0, {num_blocks})", field=f"kv_cache_block_copies[{i}][{j}]")
+
     for i, nr in enumerate(out.scheduled_new_reqs):
         path = f"scheduled_new_reqs[{i}]"
-        if nr.req_id in live:
+        # v2: a new request may reuse the id of a preempted one (vLLM's runner V2 resume).
+        if nr.req_id in live and not (nr.prefill_token_ids is not None or nr.req_id in preempted
+                                      or requests[nr.req_id].preempted):
             raise ProtocolError(f"request {nr.req_id!r} already exists", field=f"{path}.req_id")
         n = scheduled(nr.req_id, f"{path}.req_id")
         check_tokens(nr.prompt_token_ids, f"{path}.prompt_token_ids")
+        known = nr.prefill_token_ids if nr.prefill_token_ids is not None else nr.prompt_token_ids
+        if known is not nr.prompt_token_ids:
+            check_tokens(known[len(nr.prompt_token_ids):], f"{path}.prefill_token_ids")
         start, end = nr.num_computed_tokens, nr.num_computed_tokens + n
-        if start < 0 or end > len(nr.prompt_token_ids):
+        if start < 0 or end > len(known):
             raise ProtocolError(
-                f"tokens [{start}, {end}) run past the prompt of {len(nr.prompt_token_ids)}",
+                f"tokens [{start}, {end}) run past the {len(known)} known tokens",
                 field=f"{path}.num_computed_tokens")
         table = _group0(nr.block_ids, f"{path}.block_ids")
         check_table(table, end, f"{path}.block_ids[0]")
         if nr.lora_request is not None and nr.lora_request.get("lora_int_id") not in loras:
             raise ProtocolError(f"LoRA {nr.lora_request.get('lora_int_id')!r} is not loaded; call add_lora first",
                                 field=f"{path}.lora_request.lora_int_id")
-        state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start, lora_request=nr.lora_request)
+        state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start, lora_request=nr.lora_request,
+                             output_token_ids=list(known[len(nr.prompt_token_ids):]))
         new_states.append(state)
         rows.append(Row(state, start, state.tokens(start, end), table, end == state.num_tokens))
 
@@ -183,17 +199,20 @@ def plan_step(
         raise ProtocolError(
             f"total_num_scheduled_tokens is {out.total_num_scheduled_tokens}, the per-request counts add up to {total}",
             field="total_num_scheduled_tokens")
-    return StepPlan(sorted(finished & set(requests)), new_states, updates, rows)
+    return StepPlan(sorted(finished & set(requests)), new_states, updates, rows, sorted(preempted),
+                    out.kv_cache_block_copies)
 
 
 def apply(requests: dict[str, RequestState], plan: StepPlan) -> None:
     """Commit a validated plan's bookkeeping (before the forward: finished dropped, tables set)."""
     for rid in plan.finished:
         del requests[rid]
+    for rid in plan.preempted:
+        requests[rid].preempted = True
     for state in plan.new_states:
         requests[state.req_id] = state
     for state, table, outputs in plan.updates:
-        state.block_ids = table
+        state.block_ids, state.preempted = table, False
         if outputs is not None:
             state.output_token_ids = list(outputs)
     for row in plan.rows:

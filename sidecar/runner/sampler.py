@@ -223,7 +223,7 @@ class Sampler:
             if p.bad_words_token_ids:
                 adds += [(i, t, -math.inf) for t in _bad_words(p.bad_words_token_ids, r.output_token_ids)]
             if len(r.output_token_ids) < p.min_tokens:
-                adds += [(i, t, -math.inf) for t in (p.stop_token_ids or ()) + self.eos_token_ids]
+                adds += [(i, t, -math.inf) for t in (p.stop_token_ids or ()) + (self.eos_token_ids if p.adds_eos else ())]
             if p.logit_bias:
                 adds += [(i, t, b) for t, b in p.logit_bias.items()]
         adds = [a for a in adds if 0 <= a[1] < V]

@@ -272,7 +272,7 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
         finally:
             timing.append(time.perf_counter() - t0)
         runner = sc.worker.runner
-        if method == "execute_model" and runner is not None and runner.last_stats.num_rows:
+        if method in ("execute_model", "sample_tokens") and runner is not None and runner.last_stats.num_rows:
             sc.metrics.observe_step(runner.last_stats)
         return result
 
