@@ -321,7 +321,8 @@ class ModelRunner:
             else:
                 plp_dict[req_ids[i]] = LogprobsLists(ids, lps, ranks)
         for i, r in enumerate(rows):  # v2: whole, in the step that samples the first token
-            if r.sample and r.state.sampling_params.prompt_logprobs_whole and len(r.state.output_token_ids) == 1:
+            sp = r.state.sampling_params
+            if r.sample and sp.prompt_logprobs is not None and sp.prompt_logprobs_whole and len(r.state.output_token_ids) == 1:
                 parts = r.state.prompt_lp_parts
                 plp_dict[req_ids[i]] = PromptLogprobs([x for p in parts for x in p[0]], [x for p in parts for x in p[1]],
                                                       [x for p in parts for x in p[2]])

@@ -1,0 +1,133 @@
+"""vLLM objects <-> the sidecar's wire maps (protocol v2). Imports vLLM and torch, never MLX."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.outputs import DraftTokenIds, LogprobsLists, LogprobsTensors, ModelRunnerOutput
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Unsupported(ValueError):
+    """Something vLLM asked for that the sidecar cannot do: said, never silently dropped."""
+
+
+def sampling_params(sp: Any, req_id: str) -> dict:
+    if sp is None:
+        raise Unsupported(f"request {req_id}: pooling requests are not supported by the MLX sidecar")
+    if getattr(sp, "logits_processors", None):
+        raise Unsupported(f"request {req_id}: custom logits processors cannot run in the MLX sidecar")
+    return {
+        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p, "seed": sp.seed,
+        "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty,
+        "repetition_penalty": sp.repetition_penalty,
+        "logit_bias": {int(k): float(v) for k, v in sp.logit_bias.items()} if sp.logit_bias else None,
+        "allowed_token_ids": list(sp.allowed_token_ids) if sp.allowed_token_ids else None,
+        "bad_words_token_ids": [list(w) for w in sp.bad_words_token_ids] if sp.bad_words_token_ids else None,
+        "min_tokens": sp.min_tokens, "max_tokens": sp.max_tokens,
+        # vLLM's complete stop set (eos included unless ignore_eos): min_tokens masks exactly these.
+        "all_stop_token_ids": sorted(sp.all_stop_token_ids), "ignore_eos": bool(sp.ignore_eos),
+        "logprobs": sp.logprobs, "prompt_logprobs": sp.prompt_logprobs, "prompt_logprobs_whole": True,
+    }
+
+
+def lora_request(lr: Any) -> dict | None:
+    if lr is None:
+        return None
+    return {"lora_int_id": lr.lora_int_id, "lora_name": lr.lora_name, "lora_path": lr.lora_path}
+
+
+def _groups(block_ids: Any) -> list[list[int]]:
+    return [list(g) for g in block_ids]
+
+
+def scheduler_output(so: SchedulerOutput) -> dict:
+    new = []
+    for r in so.scheduled_new_reqs:
+        if r.prompt_token_ids is None:
+            raise Unsupported(f"request {r.req_id}: prompt embeddings are not supported by the MLX sidecar")
+        new.append({
+            "req_id": r.req_id, "prompt_token_ids": list(r.prompt_token_ids),
+            "sampling_params": sampling_params(r.sampling_params, r.req_id), "block_ids": _groups(r.block_ids),
+            "num_computed_tokens": r.num_computed_tokens, "lora_request": lora_request(r.lora_request),
+            "prefill_token_ids": None if r.prefill_token_ids is None else list(r.prefill_token_ids),
+        })
+    c = so.scheduled_cached_reqs
+    cached = {
+        "req_ids": list(c.req_ids), "resumed_req_ids": sorted(c.resumed_req_ids),
+        "new_token_ids": [list(t) for t in c.new_token_ids],
+        "new_block_ids": [None if b is None else _groups(b) for b in c.new_block_ids],
+        "num_computed_tokens": list(c.num_computed_tokens), "num_output_tokens": list(c.num_output_tokens),
+        "all_token_ids": {k: list(v) for k, v in (c.all_token_ids or {}).items()},
+    }
+    return {
+        "scheduled_new_reqs": new, "scheduled_cached_reqs": cached,
+        "num_scheduled_tokens": dict(so.num_scheduled_tokens),
+        "total_num_scheduled_tokens": so.total_num_scheduled_tokens,
+        "finished_req_ids": sorted(so.finished_req_ids), "preempted_req_ids": sorted(so.preempted_req_ids or ()),
+        "scheduled_spec_decode_tokens": {k: list(v) for k, v in so.scheduled_spec_decode_tokens.items()},
+        "kv_cache_block_copies": [[int(s), int(d)] for s, d in (so.kv_cache_block_copies or ())],
+    }
+
+
+def grammar_output(g: GrammarOutput | None) -> dict | None:
+    if g is None:
+        return None
+    mask = np.ascontiguousarray(np.asarray(g.grammar_bitmask), dtype="<i4")
+    return {"structured_output_request_ids": list(g.structured_output_request_ids), "grammar_bitmask": mask.tobytes()}
+
+
+def model_runner_output(d: dict) -> ModelRunnerOutput:
+    lp = d.get("logprobs")
+    logprobs = None
+    if lp is not None:
+        logprobs = LogprobsLists(np.asarray(lp["logprob_token_ids"], np.int32), np.asarray(lp["logprobs"], np.float32),
+                                 np.asarray(lp["sampled_token_ranks"], np.int32), lp.get("cu_num_generated_tokens"))
+    prompt: dict[str, LogprobsTensors | None] = {}
+    for rid, p in (d.get("prompt_logprobs_dict") or {}).items():
+        if p is None:
+            prompt[rid] = None
+            continue
+        ranks = p.get("selected_token_ranks", p.get("sampled_token_ranks"))
+        width = len(p["logprobs"][0]) if p["logprobs"] else 1
+        prompt[rid] = LogprobsTensors(
+            torch.tensor(p["logprob_token_ids"], dtype=torch.int32).reshape(-1, width),
+            torch.tensor(p["logprobs"], dtype=torch.float32).reshape(-1, width),
+            torch.tensor(ranks, dtype=torch.int32))
+    return ModelRunnerOutput(
+        req_ids=d["req_ids"], req_id_to_index=d["req_id_to_index"], sampled_token_ids=d["sampled_token_ids"],
+        logprobs=logprobs, prompt_logprobs_dict=prompt, num_nans_in_logits=d.get("num_nans_in_logits"))
+
+
+def kv_cache_spec(wire: dict[str, dict]) -> dict[str, KVCacheSpec]:
+    out: dict[str, KVCacheSpec] = {}
+    for name, s in wire.items():
+        common = dict(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"], head_size=s["head_size"],
+                      head_size_v=s["head_size_v"], dtype=TORCH_DTYPES[s["dtype"]])
+        if s["type"] == "sliding_window":
+            out[name] = SlidingWindowSpec(sliding_window=s["sliding_window"], **common)
+        elif s["type"] == "full_attention":
+            out[name] = FullAttentionSpec(**common)
+        else:
+            raise Unsupported(f"layer {name}: KV cache type {s['type']!r} has no vLLM spec here")
+    return out
+
+
+def kv_cache_config(c: KVCacheConfig) -> dict:
+    return {
+        "num_blocks": c.num_blocks,
+        "kv_cache_tensors": [{"size": t.size, "shared_by": list(t.layers)} for t in c.kv_cache_tensors],
+        "kv_cache_groups": [{"layer_names": list(g.layer_names), "kv_cache_spec": {"block_size": g.kv_cache_spec.block_size}}
+                            for g in c.kv_cache_groups],
+    }
+
+
+def draft_token_ids(d: dict | None) -> DraftTokenIds | None:
+    if d is None:
+        return None
+    return DraftTokenIds(list(d["req_ids"]), [list(t) for t in d["draft_token_ids"]])

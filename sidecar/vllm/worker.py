@@ -1,0 +1,193 @@
+"""The worker class an unmodified vLLM loads with `--worker-cls sidecar.vllm.worker.MLXSidecarWorker`.
+
+Every call is forwarded over msgpack RPC to an mlx-sidecar (RemoteWorker, one persistent
+connection); the model runs there, on MLX. This process holds no weights and imports no MLX.
+Where the sidecar is (the normal case: another host, e.g. a Mac) comes from vLLM's
+`--additional-config '{"mlx_sidecar": {"url": ..., "auth_token": ...}}'` or the environment
+(`MLX_SIDECAR_URL`, `MLX_SIDECAR_AUTH_TOKEN`); default `http://127.0.0.1:8000`.
+
+A step without structured outputs is one round trip (`execute_model` returns the output, which
+vLLM's EngineCore accepts as is); with them, `execute_model(defer_sampling=True)` starts the
+forward and returns None, vLLM computes the grammar bitmask meanwhile and `sample_tokens` sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from sidecar.client import RemoteError, RemoteWorker
+from sidecar.vllm import convert
+from sidecar.vllm.convert import Unsupported
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def sidecar_settings(additional_config: Any) -> dict:
+    """url, auth_token and timeout: --additional-config's "mlx_sidecar" map first, then the environment."""
+    cfg = additional_config.get("mlx_sidecar", {}) if isinstance(additional_config, dict) else {}
+    if not isinstance(cfg, dict):
+        raise Unsupported('--additional-config "mlx_sidecar" must be a map, e.g. {"url": "http://mac:8000"}')
+    unknown = set(cfg) - {"url", "auth_token", "auth_token_file", "timeout"}
+    if unknown:
+        raise Unsupported(f'unknown --additional-config mlx_sidecar key {sorted(unknown)[0]!r} '
+                          '(known: url, auth_token, auth_token_file, timeout)')
+    token = cfg.get("auth_token") or os.environ.get("MLX_SIDECAR_AUTH_TOKEN")
+    token_file = cfg.get("auth_token_file") or os.environ.get("MLX_SIDECAR_AUTH_TOKEN_FILE")
+    if not token and token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+    return {"url": cfg.get("url") or os.environ.get("MLX_SIDECAR_URL") or DEFAULT_URL, "token": token or None,
+            "timeout": float(cfg.get("timeout") or os.environ.get("MLX_SIDECAR_TIMEOUT") or 600)}
+
+
+class MLXSidecarWorker(WorkerBase):
+    def __init__(self, vllm_config: Any, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False, **kwargs: Any):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        if vllm_config.parallel_config.world_size != 1:
+            raise Unsupported("the MLX sidecar is one worker: use tensor/pipeline parallel size 1 "
+                              "(scale-out happens inside the sidecar, with mx.distributed)")
+        s = sidecar_settings(vllm_config.additional_config)
+        self.remote = RemoteWorker(s["url"], token=s["token"], timeout=s["timeout"])
+        self._loras: set[int] = set()
+        self._deferred = False
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return self.remote.call(method, **kwargs)
+
+    # --- start-up -------------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        mc, cc, sc = self.model_config, self.cache_config, self.scheduler_config
+        config = {"block_size": cc.block_size, "max_model_len": mc.max_model_len, "max_num_seqs": sc.max_num_seqs,
+                  "max_num_batched_tokens": sc.max_num_batched_tokens, "max_logprobs": mc.max_logprobs}
+        if mc.seed is not None:
+            config["seed"] = mc.seed
+        self._call("init_device", config=config)  # from any state: a restarted vLLM starts over
+        self._loras.clear()
+        log.info("MLX sidecar at %s initialised (%s)", self.remote.url, config)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        self._call("load_model")
+        theirs, ours = self._call("vocab_size"), self.model_config.get_vocab_size()
+        if theirs != ours:
+            raise Unsupported(f"the sidecar's model has vocab_size {theirs}, vLLM's model directory says {ours}: "
+                              "point vLLM at the sidecar model's directory (mlx-sidecar model-dir)")
+
+    def get_kv_cache_spec(self) -> dict:
+        return convert.kv_cache_spec(self._call("get_kv_cache_spec"))
+
+    def determine_available_memory(self) -> int:
+        cc = self.cache_config
+        if cc.kv_cache_memory_bytes is not None:
+            return self._call("determine_available_memory", kv_cache_memory_bytes=int(cc.kv_cache_memory_bytes))
+        return self._call("determine_available_memory", gpu_memory_utilization=float(cc.gpu_memory_utilization))
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        self._call("initialize_from_config", kv_cache_config=convert.kv_cache_config(kv_cache_config))
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._call("initialize_cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(**self._call("compile_or_warm_up_model", compilation_times=True))
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def reset_mm_cache(self) -> None:
+        pass  # no multi-modal inputs reach the sidecar: nothing is cached
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        # vLLM shrank the length to fit the KV budget; the sidecar's bound (checked per step) is looser.
+        self.model_config.max_model_len = max_model_len
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        self._load_loras(scheduler_output)
+        wire = convert.scheduler_output(scheduler_output)
+        if scheduler_output.has_structured_output_requests:
+            self._call("execute_model", scheduler_output=wire, defer_sampling=True)
+            self._deferred = True
+            return None
+        return convert.model_runner_output(self._call("execute_model", scheduler_output=wire))
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        if not self._deferred:
+            raise RuntimeError("sample_tokens without a deferred execute_model")
+        self._deferred = False
+        return convert.model_runner_output(self._call("sample_tokens", grammar_output=convert.grammar_output(grammar_output)))
+
+    def take_draft_token_ids(self) -> Any:
+        try:
+            return convert.draft_token_ids(self._call("take_draft_token_ids"))
+        except RemoteError as e:
+            if e.status == 404:  # a sidecar without speculative decoding
+                return None
+            raise
+
+    def execute_dummy_batch(self) -> None:
+        raise Unsupported("execute_dummy_batch (data parallel) is not supported by the MLX sidecar")
+
+    def check_health(self) -> None:
+        self._call("check_health")
+
+    # --- LoRA (adapter paths are resolved under the sidecar's --lora-dir) -----------------------
+
+    def _load_loras(self, so: Any) -> None:
+        # vLLM's own runners load a request's adapter on first sight; so does this one.
+        for r in so.scheduled_new_reqs:
+            lr = r.lora_request
+            if lr is not None and lr.lora_int_id not in self._loras:
+                self.add_lora(lr)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        ok = bool(self._call("add_lora", lora_request=convert.lora_request(lora_request)))
+        self._loras.add(lora_request.lora_int_id)
+        return ok or lora_request.lora_int_id in set(self._call("list_loras"))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._loras.discard(lora_id)
+        return bool(self._call("remove_lora", lora_id=lora_id))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return bool(self._call("pin_lora", lora_id=lora_id))
+
+    def list_loras(self) -> set[int]:
+        return set(self._call("list_loras"))
+
+    # --- sleep, profile, misc -----------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        self._call("sleep", level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call("wake_up", tags=tags)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None, **kwargs: Any) -> None:
+        path = self._call("profile", is_start=is_start)
+        if path:
+            log.info("sidecar profile written to %s (on the sidecar's host)", path)
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self._call("get_cache_block_size_bytes")
+
+    def vocab_size(self) -> int:
+        return self._call("vocab_size")
+
+    def get_model(self) -> Any:
+        raise Unsupported("the model lives in the MLX sidecar; there is no torch module in this process "
+                          f"(its description: {self._call('get_model')})")
+
+    def shutdown(self) -> None:
+        # The sidecar keeps its model (another vLLM may re-initialise it); only the connection closes.
+        self.remote.close()
