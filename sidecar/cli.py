@@ -1,4 +1,4 @@
-"""`mlx-sidecar serve | generate | bench`: every Config field is a `serve` flag (--field-name)."""
+"""`mlx-sidecar serve | generate | model-dir | bench`: every Config field is a `serve` flag (--field-name)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--auth-token-file", default=None)
     gen.add_argument("--model", default=None, help="tokenizer source (default: the model the server reports)")
 
+    md = sub.add_parser("model-dir", help="print (or write with --dest) the model directory vLLM needs locally")
+    md.add_argument("model", nargs="?", default="builtin:tiny")
+    md.add_argument("--dest", default=None, help="write only config + tokenizer files here (no MLX needed for built-ins)")
+    md.add_argument("--home", default=None)
+
     bench = sub.add_parser("bench", help="benchmark the sidecar against mlx-lm side by side")
     bench.add_argument("--model", default="builtin:small")
     bench.add_argument("--quick", action="store_true")
@@ -79,6 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sidecar.server.app import serve
 
         return serve(cfg)
+    if args.command == "model-dir":
+        from sidecar.models import ModelNotFound
+        from sidecar.models.export import model_dir
+
+        try:
+            print(model_dir(args.model, args.home, args.dest))
+        except ModelNotFound as e:
+            print(f"mlx-sidecar: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "generate":
         from sidecar.scheduler.generate import generate_cli
 

@@ -29,12 +29,17 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_wire_modules_import_without_mlx() -> None:
     r = _run("""
-        import sidecar.protocol, sidecar.client, sidecar.vllm, sidecar.sampling_params
+        import sidecar.protocol, sidecar.client, sidecar.vllm, sidecar.sampling_params, sidecar.cli
         from sidecar.protocol import SchedulerOutput
         out = SchedulerOutput.from_wire({"scheduled_new_reqs": [{"req_id": "a", "prompt_token_ids": [1, 2],
             "sampling_params": {"temperature": 0.5, "seed": 3}, "block_ids": [[0]]}],
             "num_scheduled_tokens": {"a": 2}, "total_num_scheduled_tokens": 2}, vocab_size=10, max_logprobs=5)
         assert out.scheduled_new_reqs[0].sampling_params.seed == 3
+        # The vLLM host writes the model directory it needs without MLX.
+        import tempfile
+        from sidecar.models.export import model_dir
+        out = model_dir("builtin:tiny", dest=tempfile.mkdtemp())
+        assert (out / "tokenizer_config.json").is_file() and not (out / "model.safetensors").exists()
         assert not any(m == "mlx" or m.startswith("mlx.") for m in sys.modules)
         print("ok")
     """)

@@ -55,7 +55,7 @@ class BuiltinSpec:
     vocab_size: int | None = None  # embedding rows; > tokenizer size pads with reserved tokens
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    version: int = 1  # bump whenever the generated files change
+    version: int = 2  # bump whenever the generated files change (2: chat template)
 
 
 _TINY = BuiltinSpec(
@@ -222,6 +222,12 @@ def write_builtin(name: str, dest: Path, seed: int = SEED) -> None:
     _write_json(dest / MARKER, marker)
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
 def builtin_files(name: str) -> dict[str, dict]:
     """The JSON files of built-in ``name`` (everything but the weights), by file name."""
     spec = BUILTIN_MODELS[name]
@@ -258,6 +264,8 @@ def builtin_files(name: str) -> dict[str, dict]:
         "pad_token": SPECIAL_TOKENS[2],
         "model_max_length": spec.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
+        # A plain role-prefixed transcript, so chat APIs (vLLM's /v1/chat/completions) work.
+        "chat_template": CHAT_TEMPLATE,
     }
     return {"config.json": config, "tokenizer_config.json": tokenizer_config, "tokenizer.json": tok}
 

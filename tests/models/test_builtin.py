@@ -30,7 +30,7 @@ def weights_digest(model_dir: Path) -> str:
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_builtin_loads_and_generates(tmp_path: Path, name: str) -> None:
     path = resolve_model(f"builtin:{name}", home=str(tmp_path))
-    assert path == tmp_path / "models" / f"{name}-v1"
+    assert path == tmp_path / "models" / f"{name}-v2"
     assert (path / builtin.MARKER).is_file()
     model, tokenizer = mlx_lm.load(str(path))
     text = mlx_lm.generate(model, tokenizer, "The keeper climbed the steps", max_tokens=12)
@@ -47,6 +47,9 @@ def test_tiny_builtin_loads_and_generates(tmp_path: Path, name: str) -> None:
     assert (config["hidden_size"], config["num_hidden_layers"], config["head_dim"]) == (64, 2, 16)
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
     assert tokenizer.encode("The sea")[0] == config["bos_token_id"]  # llama-style bos
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert chat == "<|bos|>User: Hi there\nAssistant:"
 
     weights = mx.load(str(path / "model.safetensors"))
     assert all(w.dtype == mx.float32 for w in weights.values())
@@ -76,7 +79,7 @@ def test_weights_and_tokenizer_are_deterministic(tmp_path: Path) -> None:
 
 def test_half_written_directory_is_replaced(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    stale = models / "tiny-v1"
+    stale = models / "tiny-v2"
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")  # no marker: a crashed generator's leftovers
     (models / ".tmp-tiny-crashed").mkdir()
@@ -110,12 +113,12 @@ def test_concurrent_resolves_generate_once(tmp_path: Path, monkeypatch: pytest.M
     for t in threads:
         t.join()
     assert len(calls) == 1  # the flock makes the others wait and reuse the result
-    assert results == [tmp_path / "models" / "tiny-v1"] * 4
+    assert results == [tmp_path / "models" / "tiny-v2"] * 4
 
 
 def test_lost_rename_race_uses_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = builtin.write_builtin
-    target = tmp_path / "models" / "tiny-v1"
+    target = tmp_path / "models" / "tiny-v2"
 
     def racing(name: str, dest: Path, seed: int = builtin.SEED) -> None:
         real(name, dest, seed)
@@ -124,7 +127,7 @@ def test_lost_rename_race_uses_winner(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(builtin, "write_builtin", racing)
     assert resolve_model("builtin:tiny", home=str(tmp_path)) == target
     assert (target / builtin.MARKER).is_file()
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".lock", "tiny-v1"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".lock", "tiny-v2"]
 
 
 def test_existing_directory_resolves_as_path(tmp_path: Path) -> None:
@@ -161,7 +164,7 @@ def test_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cache_home() == tmp_path / "home" / "Library" / "Caches" / "mlx-sidecar"
     monkeypatch.setenv("MLX_SIDECAR_HOME", str(tmp_path / "env"))
     resolve_model("builtin:tiny")  # no home argument: the environment decides
-    assert (tmp_path / "env" / "models" / "tiny-v1" / builtin.MARKER).is_file()
+    assert (tmp_path / "env" / "models" / "tiny-v2" / builtin.MARKER).is_file()
 
 
 def test_small_config_shape() -> None:

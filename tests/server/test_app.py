@@ -52,7 +52,7 @@ def test_lifecycle_over_remote_worker(server, remote: RemoteWorker, oracle_model
     assert remote.compile_or_warm_up_model() > 0
     remote.check_health()
     model = remote.get_model()
-    assert model["type"] == "llama" and model["path"].endswith("tiny-v1")
+    assert model["type"] == "llama" and model["path"].endswith("tiny-v2")
     assert remote.vocab_size() == 512
     assert httpx.get(f"{server.url}/readyz").status_code == 200
     d = Driver(lambda so: remote.call("execute_model", scheduler_output=so), 16, 256)

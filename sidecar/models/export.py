@@ -1,0 +1,36 @@
+"""`mlx-sidecar model-dir`: the HF-style directory vLLM needs on its own host (config + tokenizer).
+
+vLLM reads the model's config and tokenizer locally even though the weights stay in the sidecar.
+Without `--dest` this prints the sidecar's own model directory (generating a built-in). With
+`--dest DIR` it writes only the files vLLM reads into DIR; for built-ins these are generated
+without MLX (deterministic: the same files the sidecar has), so it runs on the vLLM host too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from sidecar.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, ModelNotFound, builtin_files, resolve_model
+
+VLLM_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def model_dir(name: str, home: str | None = None, dest: str | None = None) -> Path:
+    if dest is None:
+        return resolve_model(name, home)
+    out = Path(dest).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] in BUILTIN_MODELS:
+        for filename, content in builtin_files(name[len(BUILTIN_PREFIX):]).items():
+            (out / filename).write_text(json.dumps(content, indent=2) + "\n")
+        return out.resolve()
+    src = resolve_model(name, home)  # a local directory (or an unknown built-in: ModelNotFound)
+    copied = [f for f in VLLM_FILES if (src / f).is_file()]
+    if "config.json" not in copied:
+        raise ModelNotFound(f"{src} has no config.json")
+    for f in copied:
+        shutil.copyfile(src / f, out / f)
+    return out.resolve()
