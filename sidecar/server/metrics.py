@@ -162,6 +162,8 @@ class Metrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens computed", registry=events)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens sampled", registry=events)
         self.steps = Counter(p + "steps", "execute_model calls that ran a forward pass", registry=events)
+        self.prefill_chunks = Counter(p + "prefill_chunks", "Rows that computed part of a prompt without sampling "
+                                      "(chunked prefill)", registry=events)
         self.errors = Counter(p + "errors", "Error replies by error type, plus start-up preload failures (type=\"preload\")",
                               ["type"], registry=events)
         self.step_duration = Histogram(p + "step_duration_seconds", "execute_model compute time",
@@ -210,5 +212,6 @@ class Metrics:
         self.step_batch_size.observe(stats.num_rows)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
+        self.prefill_chunks.inc(stats.num_rows - stats.generated_tokens)  # every other row sampled one token
         for t in stats.first_token_latencies:
             self.ttft.observe(t)

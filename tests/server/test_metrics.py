@@ -40,7 +40,7 @@ GAUGES: dict[str, set[str]] = {
     "last_health_check_timestamp_seconds": set(),
 }
 COUNTERS = {"rpc_requests": {"method", "code"}, "prompt_tokens": set(), "generation_tokens": set(),
-            "steps": set(), "errors": {"type"}}
+            "steps": set(), "errors": {"type"}, "prefill_chunks": set()}
 HISTOGRAMS = {"rpc_duration_seconds": {"method"}, "step_duration_seconds": set(), "step_tokens": set(),
               "step_batch_size": set(), "time_to_first_token_seconds": set()}
 
@@ -236,11 +236,11 @@ def test_step_metrics_and_scrape_time_gauges(server, remote: RemoteWorker) -> No
     delta = {n: value(mid, n) - value(before, n) for n in (
         "mlx_worker_steps_total", "mlx_worker_prompt_tokens_total", "mlx_worker_generation_tokens_total",
         "mlx_worker_time_to_first_token_seconds_count", "mlx_worker_step_batch_size_sum",
-        "mlx_worker_step_tokens_sum", "mlx_worker_step_duration_seconds_count")}
+        "mlx_worker_step_tokens_sum", "mlx_worker_step_duration_seconds_count", "mlx_worker_prefill_chunks_total")}
     assert delta == {"mlx_worker_steps_total": 3, "mlx_worker_prompt_tokens_total": 27,
                      "mlx_worker_generation_tokens_total": 5, "mlx_worker_time_to_first_token_seconds_count": 2,
                      "mlx_worker_step_batch_size_sum": 6, "mlx_worker_step_tokens_sum": 23 + 5 + 2,
-                     "mlx_worker_step_duration_seconds_count": 3}
+                     "mlx_worker_step_duration_seconds_count": 3, "mlx_worker_prefill_chunks_total": 1}
     used = len(set(p.blocks) | set(q.blocks))
     assert value(mid, "mlx_worker_running_requests") == 2
     assert value(mid, "mlx_worker_kv_cache_blocks_used") == used == 11
