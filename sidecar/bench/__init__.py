@@ -3,6 +3,7 @@ scheduler) against mlx-lm (in this process) on the same model, greedy, same prom
 
 Scenarios (headline keys in the JSON): single_stream_ratio, batch32_ratio, rpc_overhead_ms_p50 /
 rpc_overhead_ms_p99 (and per batch size), prefix_ttft_ratio, pool_size_ratio, sampling_mixed_ratio,
+vllm_engine_ratio (vLLM's engine through the worker class / the reference scheduler, when .venv-vllm exists),
 plus throughput against concurrency for both sides (the PNG). Workload sizes: params.py.
 """
 
@@ -24,6 +25,7 @@ from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
 from sidecar.bench.report import REQUIRED_KEYS, table
 from sidecar.bench.sides import MlxLmSide, ServerProcess, SidecarSide
+from sidecar.bench.vllm_engine import vllm_engine
 
 __all__ = ["BenchParams", "REQUIRED_KEYS", "bench_cli", "run_bench"]
 
@@ -150,6 +152,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
             ("prefix", lambda: scenarios.prefix_ttft(b)),
             ("rpc overhead", lambda: scenarios.rpc_overhead(b)),
             ("pool_size", lambda: scenarios.pool_size(b, make_side)),
+            ("vllm engine", lambda: vllm_engine(b, make_side)),
         ]
         timings: dict[str, float] = {}
         meter = CpuMeter(_LivePids(servers))

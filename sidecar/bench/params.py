@@ -65,6 +65,8 @@ class BenchParams:
     sweep_concurrency: tuple[int, ...] = (1, 4, 16, 32, 64)
     sweep_prompt_len: int = 8
     sweep_new_tokens: int = 16
+    # vLLM's engine vs the reference scheduler over one sidecar (needs .venv-vllm).
+    vllm: bool = True
     # Warm-up sizes (both sides).
     warmup_new_tokens: int = 8
     notes: tuple[str, ...] = field(default=())
@@ -114,6 +116,7 @@ def tiny(**kw: object) -> BenchParams:
         pool_small_blocks=64, pool_large_blocks=512, pool_batch=2, pool_prompt_len=4, pool_steps=4, pool_repeats=1,
         sampling_prompt_len=2, sampling_steps=3, sampling_repeats=1,
         sweep_concurrency=(1, 2, 4), sweep_prompt_len=4, sweep_new_tokens=3, warmup_new_tokens=2,
+        vllm=False,  # vLLM's start-up alone takes about a minute
     ).replace(**kw)
 
 

@@ -37,6 +37,8 @@ GOALS = (
          "{prefix_warm_ttft_s:.3f} s / {prefix_cold_ttft_s:.3f} s", "{prefix_mlx_lm_cold_ttft_s:.3f} s cold"),
     Goal("pool_size_ratio", "decode step, {pool_large_blocks:.0f} / {pool_small_blocks:.0f} blocks", "<=", 1.1,
          "{pool_large_step_ms:.2f} / {pool_small_step_ms:.2f} ms", "-"),
+    Goal("vllm_engine_ratio", "vLLM engine / reference scheduler (goal >= 0.9)", "", math.nan,
+         "vLLM {vllm_engine_tok_s:.2f} tok/s", "ours {vllm_ref_scheduler_tok_s:.2f} tok/s"),
     Goal("sampling_mixed_ratio", "{sampling_rows:.0f}-row step, mixed / greedy", "<=", 1.10,
          "{sampling_mixed_step_ms:.1f} / {sampling_greedy_step_ms:.1f} ms", "-"),
 )

@@ -111,6 +111,9 @@ class MLXSidecarWorker(WorkerBase):
     def reset_mm_cache(self) -> None:
         pass  # no multi-modal inputs reach the sidecar: nothing is cached
 
+    def reset_encoder_cache(self) -> None:
+        pass  # no encoder runs in the sidecar: nothing is cached
+
     def update_max_model_len(self, max_model_len: int) -> None:
         # vLLM shrank the length to fit the KV budget; the sidecar's bound (checked per step) is looser.
         self.model_config.max_model_len = max_model_len
@@ -171,6 +174,10 @@ class MLXSidecarWorker(WorkerBase):
         return set(self._call("list_loras"))
 
     # --- sleep, profile, misc -----------------------------------------------------------------
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        raise Unsupported("discard (dropping memory without sleeping) is not supported by the MLX sidecar; "
+                          "use sleep(level=1 or 2) and wake_up")
 
     def sleep(self, level: int = 1) -> None:
         self._call("sleep", level=level)

@@ -4,23 +4,48 @@ JSON on stdin -> JSON on stdout.
 {"model": "builtin:tiny", "prompts": [[int]], "max_tokens": n}
   -> [{"tokens": [int], "logprobs": [float], "prompt_logprobs": [float]}] (greedy, each prompt alone)
 {"model": ..., "chat": [messages], "max_tokens": n} -> {"prompt": [int], "tokens": [int], "text": str}
+"adapter": <dir> applies an mlx-lm LoRA adapter; {"model": ..., "make_adapter": <dir>, "seed": s} makes one.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
+from mlx.utils import tree_flatten
 
 from sidecar.models import resolve_model
 from tests.conftest import mlx_lm_greedy
 
 
+def make_adapter(name: str, dest: Path, seed: int, rank: int = 4) -> None:
+    """An mlx-lm LoRA adapter (mlx-lm's own tuner layers, non-zero B) for built-in `name`."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model = load_model(resolve_model(name))[0]
+    params = {"rank": rank, "scale": 10.0, "dropout": 0.0}
+    linear_to_lora_layers(model, len(model.layers), params)
+    rng = np.random.default_rng(seed)
+    lora = {k: mx.array(rng.normal(0, 0.05, v.shape).astype(np.float32))
+            for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_a", ".lora_b"))}
+    dest.mkdir(parents=True)
+    mx.save_safetensors(str(dest / "adapters.safetensors"), lora)
+    (dest / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": len(model.layers),
+                                                          "lora_parameters": params}))
+
+
 def main() -> None:
     req = json.load(sys.stdin)
-    model, tokenizer = mlx_lm.load(str(resolve_model(req["model"])))
+    if "make_adapter" in req:
+        make_adapter(req["model"], Path(req["make_adapter"]), req["seed"])
+        json.dump(None, sys.stdout)
+        return
+    model, tokenizer = mlx_lm.load(str(resolve_model(req["model"])), adapter_path=req.get("adapter"))
     n = req["max_tokens"]
     if "chat" in req:
         prompt = tokenizer.apply_chat_template(req["chat"], add_generation_prompt=True)

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import pytest
 from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import StructuredOutputsParams
 
 from tests.server.serverproc import start_server
@@ -31,15 +32,18 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=["builtin:tiny", "builtin:tiny-qwen3"])
-def engine(request: pytest.FixtureRequest, home: str, vllm_model_dir):
+def engine(request: pytest.FixtureRequest, home: str, vllm_model_dir, tmp_path_factory: pytest.TempPathFactory):
     name = request.param
-    with start_server("--model", name) as server:
+    loras = tmp_path_factory.mktemp("loras")
+    oracle({"model": name, "make_adapter": str(loras / "one"), "seed": 1}, home)
+    with start_server("--model", name, "--lora-dir", str(loras)) as server:
         llm = LLM(model=vllm_model_dir(name), worker_cls=WORKER_CLS, additional_config=sidecar_url_config(server.url),
+                  enable_lora=True, max_lora_rank=8, max_loras=1,
                   kv_cache_memory_bytes=14 * BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=8,
                   max_num_batched_tokens=32, enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False,
                   seed=0, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
         try:
-            yield name, llm, server
+            yield name, llm, server, loras
         finally:
             llm.llm_engine.engine_core.shutdown()
 
@@ -49,7 +53,7 @@ def counter(llm: LLM, name: str) -> float:
 
 
 def test_greedy_tokens_are_mlx_lms_through_chunking_preemption_and_prefix_hits(engine, home: str) -> None:
-    name, llm, server = engine
+    name, llm, server, _ = engine
     ps = prompts(1)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
@@ -64,7 +68,7 @@ def test_greedy_tokens_are_mlx_lms_through_chunking_preemption_and_prefix_hits(e
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine) -> None:
-    _, llm, _ = engine
+    _, llm, _, _ = engine
     p = prompts(2)[5]
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([{"prompt_token_ids": p}], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -78,7 +82,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine) -> None:
 
 
 def test_logprobs_and_prompt_logprobs_match_mlx_lm(engine, home: str) -> None:
-    name, llm, _ = engine
+    name, llm, _, _ = engine
     ps = prompts(4)[4:7]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=2),
@@ -109,7 +113,7 @@ def _valid(text: str) -> bool:
 
 
 def test_structured_outputs_json_schema_and_choice(engine) -> None:
-    _, llm, _ = engine
+    _, llm, _, _ = engine
     prompt = "The keeper wrote down the weather:"
     free = SamplingParams(temperature=0.0, max_tokens=48)
     constrained = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(
@@ -120,3 +124,28 @@ def test_structured_outputs_json_schema_and_choice(engine) -> None:
     assert not _valid(outs[0].outputs[0].text)  # random weights: only the grammar makes it valid
     assert _valid(outs[1].outputs[0].text), outs[1].outputs[0].text
     assert outs[2].outputs[0].text in ("lighthouse", "harbour", "storm")
+
+
+def test_lora_adapter_under_the_sidecars_lora_dir_gives_mlx_lms_tokens(engine, home: str) -> None:
+    name, llm, _, loras = engine
+    p = prompts(5)[6]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with_lora = llm.generate([{"prompt_token_ids": p}], greedy, lora_request=LoRARequest("one", 1, "one"),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    base = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    want = oracle({"model": name, "adapter": str(loras / "one"), "prompts": [p], "max_tokens": 12}, home)[0]
+    assert list(with_lora) == want["tokens"]
+    assert base != with_lora  # the adapter changes the tokens: the comparison is not vacuous
+    assert set(llm.llm_engine.list_loras()) == {1}
+
+
+def test_sleep_and_wake_up_reach_the_sidecar(engine, home: str) -> None:
+    name, llm, server, _ = engine
+    llm.sleep(level=1)
+    assert httpx.get(f"{server.url}/info").json()["state"] == "sleeping"
+    llm.wake_up()
+    assert httpx.get(f"{server.url}/info").json()["state"] == "ready"
+    p = prompts(6)[2]
+    got = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert list(got) == oracle({"model": name, "prompts": [p], "max_tokens": 8}, home)[0]["tokens"]
