@@ -21,6 +21,11 @@ _HELP = {
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
+    "speculative_method": "none (default) | ngram (prompt lookup) | draft_model: the worker proposes drafts",
+    "num_speculative_tokens": "drafts per request per step (default 3)",
+    "prompt_lookup_min": "ngram: shortest suffix matched (default 2)",
+    "prompt_lookup_max": "ngram: longest suffix matched (default 5)",
+    "draft_model": "draft model for speculative decoding (builtin:<name> or an mlx-lm directory, same tokenizer)",
 }
 
 

@@ -133,11 +133,15 @@ class ModelRunner:
         self.pool = None  # free the old pool before allocating the new one
         self.requests.clear()
         self.pool = KVPool(self.specs, num_blocks)
+        if self.proposer is not None:
+            self.proposer.allocate(num_blocks)
 
     def free(self) -> None:
         self._ahead = None
         self.pool = None
         self.requests.clear()
+        if self.proposer is not None:
+            self.proposer.free()
 
     @property
     def num_blocks(self) -> int:
@@ -161,9 +165,11 @@ class ModelRunner:
         touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at)
                    for s in (row.state for row in plan.rows)]
         apply(self.requests, plan)
+        if self.proposer is not None:
+            self.proposer.forget(plan.finished)
         ahead, self._ahead = self._ahead, None
         try:
-            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead)
+            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead, propose=True)
         except BaseException:
             self._ahead = None
             self.requests = live
@@ -210,7 +216,8 @@ class ModelRunner:
         self.ahead_misses += len(ahead.rows) - (len(decode) - len(rest))
         return rest
 
-    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False) -> ModelRunnerOutput:
+    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
+             propose: bool = False) -> ModelRunnerOutput:
         if not rows:
             self.last_stats = StepStats()
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -225,7 +232,7 @@ class ModelRunner:
         started = None
         verified: Verified | None = None
         if any(r.num_draft for r in rows):
-            probs = self.proposer.draft_probs if self.proposer is not None else None
+            probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
             verified = verify(self.sampler, logits, rows, probs)
             res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
             mx.eval(self.pool.arrays())
@@ -240,7 +247,7 @@ class ModelRunner:
                            for r in rows]
             res = self.sampler.sample(logits, sample_rows)
             mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
-        drafted = self._propose(rows, res, verified)
+        drafted = self._propose(rows, res, verified) if propose else set()
         if start_ahead and started is None and (verified is None or not all(r.num_draft for r in rows)):
             started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32), drafted)
         if started is not None:

@@ -11,9 +11,10 @@ from tests.driver import Driver, Req
 
 class SpecDriver(Driver):
     def __init__(self, execute: Callable[[dict], Any], block_size: int, num_blocks: int,
-                 drafts: Callable[[Req], list[int]] | None = None):
+                 drafts: Callable[[Req], list[int]] | None = None, take: Callable[[], dict | None] | None = None):
         super().__init__(execute, block_size, num_blocks)
         self.drafts = drafts or (lambda r: [])
+        self.take = take  # the worker's take_draft_token_ids, called after every step
         self.pending: dict[str, list[int]] = {}  # drafts to send in the next step (e.g. from take_draft_token_ids)
         self.tokens_per_step: list[list[int]] = []  # per step: tokens returned per decode row
         self.last: dict = {}
@@ -57,3 +58,6 @@ class SpecDriver(Driver):
             self.reqs[rid].computed -= len(d) - (len(toks) - 1)
         self.tokens_per_step.append(per_row)
         self.last = res
+        got = self.take() if self.take is not None else None
+        if got is not None:
+            self.pending = dict(zip(got["req_ids"], got["draft_token_ids"]))
