@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--auth-token-file", default=None)
     gen.add_argument("--model", default=None, help="tokenizer source (default: the model the server reports)")
+    gen.add_argument("--speculative", choices=["none", "ngram"], default="none",
+                     help="ngram: speculative decoding with prompt-lookup drafts (the worker's proposer when the "
+                          "server runs one, else proposed here); the output is the same, in fewer steps")
+    gen.add_argument("--num-speculative-tokens", type=int, default=3)
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against mlx-lm side by side")
     bench.add_argument("--model", default="builtin:small")
