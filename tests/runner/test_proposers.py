@@ -3,6 +3,7 @@ drafts taken with take_draft_token_ids and verified in the next step."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -42,14 +43,16 @@ def _run(w, prompts: dict[str, list[int]], n: int, sampling: dict | None = None,
     return got, d
 
 
-def test_ngram_in_the_worker_matches_mlx_lm_greedy(make_worker, oracle_model) -> None:
-    w = make_worker(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-qwen3"])
+def test_ngram_in_the_worker_matches_mlx_lm_greedy(make_worker, oracle_model, model: str) -> None:
+    w = make_worker(model, speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                    prompt_lookup_max=3)
     V = w.vocab_size()
     ps = {"a": _repeating(V, 0), "b": _repeating(V, 1, period=3, times=6), "c": _repeating(V, 2, period=11, times=2)}
     before = (w.runner.spec.draft_tokens, w.runner.spec.accepted_tokens)
     got, d = _run(w, ps, 24, preempt="b", chunk=8)
     for rid, p in ps.items():
-        assert got[rid] == mlx_lm_greedy(oracle_model("builtin:tiny"), p, 24)[0], rid
+        assert got[rid] == mlx_lm_greedy(oracle_model(model), p, 24)[0], rid
     drafted, accepted = w.runner.spec.draft_tokens - before[0], w.runner.spec.accepted_tokens - before[1]
     assert 0 < accepted < drafted, (drafted, accepted)
 
@@ -125,6 +128,19 @@ def test_sampled_with_a_draft_model_is_reproducible(make_worker, noisy_draft) ->
 
 
 def test_draft_model_with_another_vocabulary_is_refused(make_worker, home: str) -> None:
+    src = resolve_model("builtin:tiny", home)
+    dst = Path(home) / "tiny-other-vocab"
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        weights = mx.load(str(dst / "model.safetensors"))
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            weights[name] = weights[name][:300]
+        mx.save_safetensors(str(dst / "model.safetensors"), weights)
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
     with pytest.raises(ProtocolError) as e:
-        make_worker(draft_model="builtin:small")
+        make_worker(draft_model=str(dst))
+    assert e.value.field == "config.draft_model" and "vocabulary (300)" in str(e.value)
+    with pytest.raises(ProtocolError) as e:
+        make_worker(draft_model=str(Path(home) / "no-such-model"))
     assert e.value.field == "config.draft_model"
