@@ -169,7 +169,10 @@ class MLXWorker:
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
         )
-        self.runner.proposer = self._make_proposer(cap)
+        from sidecar.runner.proposers import proposer_for
+
+        self.runner.proposer = proposer_for(self.config, vocab_size=self._vocab_size(), max_model_len=cap,
+                                            layer_specs=self._layer_specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
 
@@ -194,29 +197,6 @@ class MLXWorker:
             v = src.get("eos_token_id")
             ids += v if isinstance(v, list) else [] if v is None else [v]
         return sorted(set(ids))
-
-    def _make_proposer(self, max_model_len: int) -> Any:
-        from sidecar.runner.proposers import make_proposer
-
-        cfg = self.config
-        draft = None
-        if cfg.spec_method == "draft_model":
-            from mlx_lm.utils import load_model
-
-            from sidecar.models import resolve_model
-
-            try:
-                dmodel, dconf = load_model(resolve_model(cfg.draft_model, cfg.home))  # type: ignore[arg-type]
-            except (ValueError, OSError) as e:
-                raise ProtocolError(f"draft model: {e}", field="config.draft_model") from None
-            vocab = int(dconf.get("vocab_size") or dconf["text_config"]["vocab_size"])
-            if vocab != self._vocab_size():
-                raise ProtocolError(f"the draft model's vocabulary ({vocab}) differs from the model's ({self._vocab_size()})",
-                                    field="config.draft_model")
-            draft = ModelRunner(dmodel, self._layer_specs(dconf, dmodel), vocab_size=vocab, eos_token_ids=[],
-                                max_model_len=max_model_len, max_logprobs=0, decode_ahead=False)
-        return make_proposer(cfg.spec_method, cfg.num_speculative_tokens, n_min=cfg.prompt_lookup_min,
-                             n_max=cfg.prompt_lookup_max, draft_runner=draft, seed=cfg.seed)
 
     def _layer_specs(self, model_config: dict | None = None, model: nn.Module | None = None) -> list[LayerSpec]:
         model_config = self.model_config if model_config is None else model_config

@@ -18,13 +18,15 @@ model's max_model_len.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from sidecar.config import Config
+from sidecar.errors import ProtocolError
+from sidecar.runner.kv_cache import LayerSpec
 from sidecar.runner.ngram import ngram_drafts
 from sidecar.runner.requests import RequestState, Row
 from sidecar.runner.sampler import SamplingParams
@@ -32,8 +34,6 @@ from sidecar.runner.sampler import SamplingParams
 if TYPE_CHECKING:
     from sidecar.runner.model_runner import ModelRunner
 
-log = logging.getLogger(__name__)
-METHODS = ("none", "ngram", "draft_model")
 
 
 class Proposer:
@@ -206,11 +206,28 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
-def make_proposer(method: str, k: int, *, n_min: int = 2, n_max: int = 5,
-                  draft_runner: ModelRunner | None = None, seed: int = 0) -> Proposer | None:
+def proposer_for(cfg: Config, *, vocab_size: int, max_model_len: int,
+                 layer_specs: Callable[[dict, Any], list[LayerSpec]]) -> Proposer | None:
+    """The server's proposer (None: speculation off); a draft model is loaded here and must share
+    the target's vocabulary (400 on config.draft_model otherwise)."""
+    method, k = cfg.spec_method, cfg.num_speculative_tokens
     if method == "ngram":
-        return NgramProposer(k, n_min, n_max)
-    if method == "draft_model":
-        assert draft_runner is not None
-        return DraftModelProposer(k, draft_runner, seed)
-    return None
+        return NgramProposer(k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if method != "draft_model":
+        return None
+    from mlx_lm.utils import load_model
+
+    from sidecar.models import resolve_model
+    from sidecar.runner.model_runner import ModelRunner
+
+    try:
+        model, conf = load_model(resolve_model(cfg.draft_model, cfg.home))  # type: ignore[arg-type]
+    except (ValueError, OSError) as e:
+        raise ProtocolError(f"draft model: {e}", field="config.draft_model") from None
+    vocab = int(conf.get("vocab_size") or conf["text_config"]["vocab_size"])
+    if vocab != vocab_size:
+        raise ProtocolError(f"the draft model's vocabulary ({vocab}) differs from the model's ({vocab_size})",
+                            field="config.draft_model")
+    runner = ModelRunner(model, layer_specs(conf, model), vocab_size=vocab, eos_token_ids=[],
+                         max_model_len=max_model_len, max_logprobs=0, decode_ahead=False)
+    return DraftModelProposer(k, runner, cfg.seed)

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from sidecar.errors import ProtocolError
