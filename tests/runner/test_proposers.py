@@ -143,3 +143,10 @@ def test_draft_model_with_another_vocabulary_is_refused(make_worker, home: str) 
     with pytest.raises(ProtocolError) as e:
         make_worker(draft_model=str(Path(home) / "no-such-model"))
     assert e.value.field == "config.draft_model"
+
+
+def test_available_memory_leaves_room_for_the_draft(make_worker) -> None:
+    small = {"num_blocks": 8, "max_num_batched_tokens": 64, "max_num_seqs": 4}  # a quick profile run
+    plain = make_worker(**small).determine_available_memory()
+    with_draft = make_worker(**small, draft_model="builtin:tiny").determine_available_memory()
+    assert with_draft < 0.6 * plain  # a draft as large as the target: about half the KV bytes each

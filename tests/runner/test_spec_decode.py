@@ -228,3 +228,24 @@ def test_rejection_sampling_reproduces_the_target_distribution(dense: bool) -> N
     assert _chi2(naive, p0) > 10 * crit
     # Seeded: the same rows verify to the same tokens.
     assert verify(sampler, logits[:600], rows[:200], probs).token_ids == out[:200]
+
+
+def test_a_scheduler_that_skips_the_rollback_is_refused(make_worker) -> None:
+    """Negative control for the rollback: counting rejected drafts as computed puts the next step
+    past the known tokens, which the worker refuses (400) instead of reading their stale K/V."""
+    w = make_worker()
+    d = SpecDriver(w.execute_model, w.config.block_size, w.runner.num_blocks, lambda r: [1, 2, 3])
+    d.add("a", prompts(w.vocab_size(), [6], seed=21)[0])
+    d.step()
+    res = d.step()
+    rejected = 3 - (len(res["sampled_token_ids"][0]) - 1)
+    assert rejected > 0
+    d.drafts = lambda r: []
+    so = d.build(16)
+    assert so["num_scheduled_tokens"] == {"a": 1}
+    so["scheduled_cached_reqs"]["num_computed_tokens"][0] += rejected  # no rollback
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(so)
+    assert e.value.field == "scheduled_cached_reqs.num_computed_tokens[0]"
+    so["scheduled_cached_reqs"]["num_computed_tokens"][0] -= rejected  # rolled back: the same step runs
+    assert len(w.execute_model(so).sampled_token_ids[0]) == 1
