@@ -180,7 +180,8 @@ class ModelRunner:
         self.last_stats.seconds = time.perf_counter() - t0
         return result
 
-    def _start_ahead(self, rows: list[Row], tokens: mx.array, skip: set[str] = frozenset()) -> tuple[list[int], mx.array] | None:
+    def _start_ahead(self, rows: list[Row], tokens: mx.array,
+                     skip: set[str] = frozenset()) -> tuple[list[int], mx.array] | None:
         """Queue the forward of the likely next decode step (see _Ahead) on this step's tokens
         [rows], which may still be lazy: then it follows the sampling without a gap, as mlx-lm's
         generate loop does. Returns the rows it covers and its logits."""
@@ -230,6 +231,7 @@ class ModelRunner:
                 self._forward([rows[i] for i in group], group, last, prompt_lp)
         logits = mx.concatenate([x for x in last], axis=0)  # type: ignore[misc]
         started = None
+        lazy = False
         verified: Verified | None = None
         if any(r.num_draft for r in rows):
             probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
@@ -238,6 +240,7 @@ class ModelRunner:
             mx.eval(self.pool.arrays())
         elif start_ahead and self.proposer is None and all(_plain_greedy(r) for r in rows):
             # Sample lazily and queue the next step's forward behind it before waiting.
+            lazy = True
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
             mx.async_eval(tokens, nans, self.pool.arrays())
             started = self._start_ahead(rows, tokens)
@@ -248,7 +251,7 @@ class ModelRunner:
             res = self.sampler.sample(logits, sample_rows)
             mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
         drafted = self._propose(rows, res, verified) if propose else set()
-        if start_ahead and started is None and (verified is None or not all(r.num_draft for r in rows)):
+        if start_ahead and not lazy and (verified is None or not all(r.num_draft for r in rows)):
             started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32), drafted)
         if started is not None:
             bs = self.pool.block_size
@@ -344,7 +347,6 @@ class ModelRunner:
             last[w] = logits[last_at[b] : last_at[b] + 1 + rows[b].num_draft]
         for b, first, count, targets in spans:
             prompt_lp[where[b]] = (logits[first : first + count], targets)
-
 
     def _propose(self, rows: list[Row], res: SampleResult, verified: Verified | None) -> set[str]:
         """Hand this step's tokens to the proposer (drafts for the next step); returns the ids it drafted for."""
