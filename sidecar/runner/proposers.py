@@ -36,12 +36,39 @@ if TYPE_CHECKING:
 
 
 
+@dataclass
+class _Pace:
+    """A request's draft length, adapted to how its drafts fare (transformers' assisted-generation
+    heuristic): +2 after a step that accepted every draft, -1 after one that rejected any, and at
+    0 a pause that doubles each time (1, 2, 4, .. 64 steps) before one draft is tried again."""
+
+    k: int
+    wait: int = 0
+    backoff: int = 1
+
+    def update(self, k_max: int, drafted: int, accepted: int) -> int:
+        if drafted:
+            if accepted == drafted:
+                self.k, self.backoff = min(k_max, self.k + 2), 1
+            else:
+                self.k -= 1
+            if self.k <= 0:
+                self.wait, self.backoff, self.k = self.backoff, min(2 * self.backoff, 64), 1
+        if self.wait:
+            self.wait -= 1
+            return 0
+        return self.k
+
+
 class Proposer:
-    """The drafts of the last step, per request, until taken."""
+    """The drafts of the last step, per request, until taken. Up to k per request: where drafts
+    keep being rejected (text that does not repeat) fewer, down to none for a while, so that
+    verifying them costs little when speculation does not help."""
 
     def __init__(self, k: int):
         self.k = k
         self.pending: dict[str, list[int]] = {}
+        self.paces: dict[str, _Pace] = {}
         self.proposed = 0  # draft tokens handed out since start
 
     def propose(self, runner: ModelRunner, rows: Sequence[Row], new_tokens: Sequence[list[int]]) -> set[str]:
@@ -52,10 +79,11 @@ class Proposer:
             s = r.state
             if not new:
                 continue
+            pace = self.paces.setdefault(s.req_id, _Pace(self.k)).update(self.k, r.num_draft, len(new) - 1)
             n_out = len(s.output_token_ids) + len(new)
             history = s.prompt_token_ids + s.output_token_ids + new
             left = (s.sampling_params.max_tokens or 1 << 62) - n_out - 1  # the bonus token is never a draft
-            k = min(self.k, left, runner.max_model_len - len(history))
+            k = min(pace, left, runner.max_model_len - len(history))
             if k > 0:
                 want.append((s, history, k))
         self.pending = self._drafts(runner, want)
@@ -78,14 +106,15 @@ class Proposer:
         return {}
 
     def allocate(self, num_blocks: int) -> None:
-        self.pending = {}
+        self.pending, self.paces = {}, {}
 
     def free(self) -> None:
-        self.pending = {}
+        self.pending, self.paces = {}, {}
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:
             self.pending.pop(rid, None)
+            self.paces.pop(rid, None)
 
 
 class NgramProposer(Proposer):

@@ -150,3 +150,13 @@ def test_available_memory_leaves_room_for_the_draft(make_worker) -> None:
     plain = make_worker(**small).determine_available_memory()
     with_draft = make_worker(**small, draft_model="builtin:tiny").determine_available_memory()
     assert with_draft < 0.6 * plain  # a draft as large as the target: about half the KV bytes each
+
+
+def test_draft_length_adapts_to_rejections_and_pauses() -> None:
+    from sidecar.runner.proposers import _Pace
+
+    p = _Pace(3)
+    # (drafted, accepted) of the step just verified -> drafts allowed for the next one
+    steps = [((0, 0), 3), ((3, 3), 3), ((3, 1), 2), ((2, 0), 1), ((1, 0), 0), ((0, 0), 1),
+             ((1, 0), 0), ((0, 0), 0), ((0, 0), 1), ((1, 1), 3)]
+    assert [p.update(3, d, a) for (d, a), _ in steps] == [want for _, want in steps]
