@@ -249,3 +249,45 @@ def test_a_scheduler_that_skips_the_rollback_is_refused(make_worker) -> None:
     assert e.value.field == "scheduled_cached_reqs.num_computed_tokens[0]"
     so["scheduled_cached_reqs"]["num_computed_tokens"][0] -= rejected  # rolled back: the same step runs
     assert len(w.execute_model(so).sampled_token_ids[0]) == 1
+
+
+def test_corrupted_steps_with_drafts_are_rejected_cleanly(make_worker) -> None:
+    """The fuzz test's corruptions on steps that carry drafts: accepted, or a 400 naming a field
+    that changes nothing, and the valid step still runs."""
+    import random
+
+    from tests.runner.test_fuzz import _mutate, _state
+
+    w = make_worker(num_blocks=256)
+    rng = random.Random(99)
+
+    def fresh() -> SpecDriver:
+        if w.runner.requests:
+            w.execute_model({"num_scheduled_tokens": {}, "total_num_scheduled_tokens": 0,
+                             "finished_req_ids": list(w.runner.requests)})
+        d = SpecDriver(w.execute_model, w.config.block_size, w.runner.num_blocks,
+                       lambda r: [rng.randrange(3, 500) for _ in range(rng.randrange(1, 4))])
+        d.add("a", [rng.randrange(3, 500) for _ in range(9)], {"temperature": 0.8, "seed": 1, "logprobs": 1})
+        d.add("b", [rng.randrange(3, 500) for _ in range(5)])
+        d.step()
+        return d
+
+    d = fresh()
+    rejected = 0
+    for _ in range(100):
+        if max(len(r.out) for r in d.reqs.values()) > 30:
+            d = fresh()
+        so = d.build(16)
+        assert so["scheduled_spec_decode_tokens"]
+        bad = _mutate(so, rng)
+        before = _state(w)
+        try:
+            w.execute_model(bad)
+        except ProtocolError as e:
+            rejected += 1
+            assert e.status == 400 and e.field, e.message
+            assert _state(w) == before, (bad, e.message)
+            d.commit(so, w.execute_model(so).to_wire())
+        else:
+            d = fresh()
+    assert rejected > 40
