@@ -122,7 +122,9 @@ def _path(entry: tuple | None) -> str:
         if parent is not None:
             parts.append(f"[{key}]" if type(key) is int and type(parent[0]) is list else f".{key}")
         entry = parent
-    return "".join(reversed(parts)).lstrip(".")
+    path = "".join(reversed(parts)).lstrip(".")
+    # Paths inside a step read as in the rest of the protocol: `scheduled_new_reqs[0].req_id`.
+    return path.removeprefix("scheduler_output.")
 
 
 def _flat(node: list, levels: int) -> Any:

@@ -287,12 +287,15 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
 
     def run() -> Any:
         t0 = time.perf_counter()
+        before = sc.worker.runner.last_stats if sc.worker.runner is not None else None
         try:
             result = call()
         finally:
             timing.append(time.perf_counter() - t0)
         runner = sc.worker.runner
-        if method == "execute_model" and runner is not None and runner.last_stats.num_rows:
+        # (a resend answered from the step ledger ran nothing: its stats are the previous step's)
+        if (method == "execute_model" and runner is not None and runner.last_stats.num_rows
+                and runner.last_stats is not before):
             sc.metrics.observe_step(runner.last_stats)
         return result
 
