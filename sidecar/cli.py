@@ -21,6 +21,8 @@ _HELP = {
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
+    "max_live_requests": "requests the worker holds at once (default 1024; 400 past it)",
+    "max_req_id_len": "longest req_id in characters (default 256)",
 }
 
 

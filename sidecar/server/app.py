@@ -12,11 +12,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -25,7 +23,7 @@ from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -33,9 +31,14 @@ import mlx.core as mx
 
 from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Config
-from sidecar.errors import (ClientClosed, MethodNotAllowed, PayloadTooLarge, SidecarError, StartupError, Unavailable,
+from sidecar.errors import (MethodNotAllowed, SidecarError, StartupError, Unavailable,
                             UnknownMethod, UnsupportedMediaType)
-from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body, encode_body
+from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body
+from sidecar.server.httpio import encode_reply
+from sidecar.server.httpio import media_type as _media_type
+from sidecar.server.httpio import read_body as _read_body
+from sidecar.server.httpio import request_id as _request_id
+from sidecar.server.httpio import wants_msgpack as _wants_msgpack
 from sidecar.server.instance import EXPECT_HEADER, Instance, InstanceHeader
 from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_token
 from sidecar.server.logs import add_secret, configure_logging
@@ -47,9 +50,6 @@ from sidecar.worker import MLXWorker, State
 log = logging.getLogger("sidecar.rpc")
 slog = logging.getLogger("sidecar.server")
 
-# An incoming X-Request-Id is reused when it is a plain token (no spaces, quotes or control
-# characters that could forge log lines); anything else is replaced by a fresh id.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
 # Bodies above this are decoded off the event loop, so a big prompt never stalls the probes.
 _DECODE_OFF_LOOP_BYTES = 256 * 1024
 
@@ -165,14 +165,11 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             status, error_type = 500, "internal_error"
             payload = {"error": {"type": error_type, "message": f"{type(e).__name__}: {e}", "field": None}}
             log.exception("rpc %s failed", label, extra={"request_id": rid, "method": label})
-        try:
-            content = encode_body(payload, as_msgpack)
-        except Exception as e:  # noqa: BLE001 - never a bare 500 from the server: still the envelope
+        content, failed = encode_reply(payload, as_msgpack)
+        if failed:  # never a bare 500 from uvicorn: still the envelope
             status, error_type = 500, "internal_error"
-            log.exception("rpc %s: the reply could not be encoded", label, extra={"request_id": rid, "method": label})
-            content = encode_body({"error": {"type": error_type, "message": ascii(f"the reply could not be encoded: "
-                                                                                    f"{type(e).__name__}: {e}")[1:-1],
-                                             "field": None}}, as_msgpack)
+            log.error("rpc %s: the reply could not be encoded", label, exc_info=failed,
+                      extra={"request_id": rid, "method": label})
         dt = time.perf_counter() - t0
         sc.metrics.observe_rpc(label, status, dt)
         if error_type is not None:
@@ -245,41 +242,6 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     )
     app.state.sidecar = sc
     return app
-
-
-def _request_id(given: str | None) -> str:
-    if given and _REQUEST_ID.fullmatch(given):
-        return given
-    return uuid.uuid4().hex[:16]
-
-
-def _media_type(value: str) -> str:
-    return value.split(";", 1)[0].strip().lower()
-
-
-def _wants_msgpack(accept: str, in_type: str) -> bool:
-    accept = accept.lower()
-    if any(t in accept for t in MSGPACK_TYPES):
-        return True
-    if JSON_TYPE in accept:
-        return False
-    return in_type in MSGPACK_TYPES
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"body of {length} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientClosed(f"the client closed the connection after {size} body bytes") from None
-    return b"".join(chunks)
 
 
 def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> Any:

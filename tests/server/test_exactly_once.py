@@ -4,7 +4,6 @@ recovered by resending the step, with the same output and final tokens as withou
 
 from __future__ import annotations
 
-import http.client
 import socket
 import threading
 import time
