@@ -12,7 +12,7 @@ import gc
 import json
 import re
 from itertools import chain
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -22,6 +22,7 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 JSON_TYPE = "application/json"
 MAX_DEPTH = 32
 MAX_CONTAINER_LEN = 4 * 1024 * 1024
+MAX_MAPS = 65536  # maps per body: a step needs a few per request
 # Maps whose keys are integers on the wire (token ids); JSON sends them as decimal strings.
 INT_KEYED_MAPS = frozenset({"logit_bias"})
 
@@ -50,6 +51,21 @@ KIND_NAMES = {type(None): "null", bool: "boolean", int: "integer", float: "numbe
 def _short(key: Any) -> str:
     r = repr(key)
     return r if len(r) <= 64 else r[:61] + "..."
+
+
+def _map_hook() -> Callable[[list[tuple[Any, Any]]], dict]:
+    """A fresh object_pairs_hook per body: it also counts the maps, and stops the decoder at
+    MAX_MAPS (each map costs a Python call, so a body of empty maps must not be decoded in full)."""
+    left = MAX_MAPS
+
+    def hook(pairs: list[tuple[Any, Any]]) -> dict:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise ProtocolError(f"a body may hold at most {MAX_MAPS} maps")
+        return _map(pairs) if pairs else {}
+
+    return hook
 
 
 def _map(pairs: list[tuple[Any, Any]]) -> dict:
@@ -93,13 +109,13 @@ def _decode(body: bytes, is_json: bool) -> dict:
     try:
         if not is_json:
             value = msgpack.unpackb(
-                body, raw=False, strict_map_key=False, ext_hook=_no_ext, use_list=True, object_pairs_hook=_map,
+                body, raw=False, strict_map_key=False, ext_hook=_no_ext, use_list=True, object_pairs_hook=_map_hook(),
                 max_str_len=len(body), max_bin_len=len(body), max_array_len=MAX_CONTAINER_LEN,
                 max_map_len=MAX_CONTAINER_LEN,
             )
         else:
             # Strict UTF-8 first: json.loads(bytes) would also take UTF-16/32 and encoded surrogates.
-            value = json.loads(body.decode("utf-8"), object_pairs_hook=_map)
+            value = json.loads(body.decode("utf-8"), object_pairs_hook=_map_hook())
     except ProtocolError:
         raise
     except (ValueError, msgpack.UnpackException, RecursionError) as e:

@@ -9,7 +9,9 @@ its size; what has the wrong type is left for the full decode to report. Limits 
 - a prompt or a request's stated tokens are at most max_model_len long;
 - a req_id is at most --max-req-id-len characters (default 256);
 - the worker holds at most --max-live-requests requests (default 1024);
-- finished_req_ids / preempted_req_ids have at most MAX_ID_LIST ids.
+- finished_req_ids / preempted_req_ids have at most MAX_ID_LIST ids;
+- per request, logit_bias, allowed_token_ids and stop_token_ids have at most vocab_size entries,
+  bad_words_token_ids at most MAX_BAD_WORDS words of at most max_model_len tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from sidecar.errors import ProtocolError
 
 MAX_KV_CACHE_GROUPS = 16
 MAX_ID_LIST = 65536
+MAX_BAD_WORDS = 4096
 # Blocks a table may hold beyond what max_model_len needs: lookahead/speculative slots, and
 # schedulers that allocate a few blocks ahead.
 TABLE_SLACK_BLOCKS = 4
@@ -32,10 +35,11 @@ class Limits:
     block_size: int
     max_live_requests: int = 1024
     max_req_id_len: int = 256
+    vocab_size: int = 1 << 30
 
     @classmethod
-    def of(cls, config: Any, max_model_len: int) -> Limits:
-        return cls(max_model_len, config.block_size, config.max_live_requests, config.max_req_id_len)
+    def of(cls, config: Any, max_model_len: int, vocab_size: int) -> Limits:
+        return cls(max_model_len, config.block_size, config.max_live_requests, config.max_req_id_len, vocab_size)
 
     @property
     def max_table_len(self) -> int:
@@ -77,6 +81,16 @@ def _groups(value: Any, lim: Limits, path: str, already: int = 0) -> None:
                                     f"{lim.max_table_len} (ceil(max_model_len / block_size) + {TABLE_SLACK_BLOCKS})", field=f"{path}[{g}]")
 
 
+def _sampling(sp: dict, lim: Limits, path: str) -> None:
+    for key in ("logit_bias", "allowed_token_ids", "stop_token_ids", "_all_stop_token_ids"):
+        _at_most(sp.get(key), lim.vocab_size, f"{key} (one per vocabulary token)", f"{path}.{key}")
+    for key in ("bad_words_token_ids", "_bad_words_token_ids"):
+        words = sp.get(key)
+        _at_most(words, MAX_BAD_WORDS, key, f"{path}.{key}")
+        for i, w in enumerate(_list(words)):
+            _at_most(w, lim.max_model_len, "a bad word (max_model_len)", f"{path}.{key}[{i}]")
+
+
 def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
     """Raise ProtocolError (with the field) when a scheduler_output breaks a bound."""
     if type(so) is not dict:
@@ -90,6 +104,9 @@ def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
         _req_id(nr.get("req_id"), lim, f"{path}.req_id")
         _at_most(nr.get("prompt_token_ids"), lim.max_model_len, "prompt_token_ids (max_model_len)", f"{path}.prompt_token_ids")
         _groups(nr.get("block_ids"), lim, f"{path}.block_ids")
+        sp = nr.get("sampling_params")
+        if type(sp) is dict:
+            _sampling(sp, lim, f"{path}.sampling_params")
     cached = so.get("scheduled_cached_reqs")
     n = 0
     if type(cached) is dict:

@@ -321,7 +321,8 @@ class MLXWorker:
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         assert self.runner is not None
         # Bounds by shape first: a body that breaks one is rejected before anything walks it.
-        check_step_shape(scheduler_output, self.runner.requests, Limits.of(self.config, self.runner.max_model_len))
+        limits = Limits.of(self.config, self.runner.max_model_len, self.runner.vocab_size)
+        check_step_shape(scheduler_output, self.runner.requests, limits)
         return self.runner.execute_model(self.runner.decode(scheduler_output))
 
     @lifecycle
