@@ -222,5 +222,5 @@ def test_init_device_takes_only_safe_overrides_and_a_bad_model_is_4xx(home: str,
         assert call(s, "init_device", config={"model": "builtin:tiny"}).status_code == 200
         assert call(s, "load_model").status_code == 200
         assert httpx.get(f"{s.url}/info").json()["block_size"] == 32
-        assert s.stop() == 0
+        assert s.stop() == 0, s.stderr()[-3000:]
     assert " trace " in s.stderr()  # --log-level trace is a working level
