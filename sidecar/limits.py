@@ -78,7 +78,8 @@ def _groups(value: Any, lim: Limits, path: str, already: int = 0) -> None:
         for g, table in enumerate(value):
             if _len(table) + already > lim.max_table_len:
                 raise ProtocolError(f"block table of {_len(table) + already} blocks is over the limit of "
-                                    f"{lim.max_table_len} (ceil(max_model_len / block_size) + {TABLE_SLACK_BLOCKS})", field=f"{path}[{g}]")
+                                    f"{lim.max_table_len} (ceil(max_model_len / block_size) + {TABLE_SLACK_BLOCKS})",
+                                    field=f"{path}[{g}]")
 
 
 def _sampling(sp: dict, lim: Limits, path: str) -> None:

@@ -32,8 +32,9 @@ class Instance:
     def check(self, expected: str | None) -> None:
         if expected is not None and expected.strip() != self.id:
             shown = expected.strip()[:64]
+            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at))
             raise InstanceMismatch(
-                f"this is server instance {self.id} (started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(self.started_at))}), "
+                f"this is server instance {self.id} (started {started}), "
                 f"not the expected {shown!r}: the worker restarted and holds none of the caller's state; "
                 "re-run the lifecycle and reschedule the running requests")
 

@@ -83,7 +83,8 @@ class Snapshot:
             max_model_len=runner.max_model_len if runner is not None else None,
             vocab_size=runner.vocab_size if runner is not None else None,
             kv_cache_spec={f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(specs)} if specs else None,
-            blocks_used=len(set().union(*(s.block_ids for s in runner.requests.values()))) if runner is not None and pool else 0,
+            blocks_used=len(set().union(*(s.block_ids for s in runner.requests.values())))
+            if runner is not None and pool else 0,
             running_requests=len(runner.requests) if runner is not None and pool else 0,
         )
 

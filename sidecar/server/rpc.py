@@ -28,8 +28,9 @@ def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger 
     fn = getattr(worker, method)
     params = inspect.signature(fn).parameters
     step_id = step_id_of(kwargs, method) if steps is not None else None
-    for key in [k for k, v in kwargs.items() if v is None and k in params and params[k].default is not inspect.Parameter.empty]:
-        del kwargs[key]
+    for key in [k for k, v in kwargs.items() if v is None and k in params]:
+        if params[key].default is not inspect.Parameter.empty:
+            del kwargs[key]
     for key in kwargs:
         if key not in params:
             raise ProtocolError(f"{method} takes no argument {key!r} (takes: {', '.join(params) or 'none'})", field=key)

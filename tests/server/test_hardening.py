@@ -57,7 +57,8 @@ def rejected(r: httpx.Response, field: str | None, *words: str, status: int = 40
 def test_non_string_map_keys_are_400_on_every_method(server) -> None:
     nested = b"\x81" + msgpack.packb("scheduler_output") + b"\x81\x91\x01\x01"
     for method in ("check_health", "execute_model", "init_device", "add_lora"):
-        for body in (b"\x81\x91\x01\x01", bytes.fromhex("8181a1610101"), b"\x81\xc0\x01", b"\x81\xcb" + b"\0" * 8 + b"\x01", nested):
+        for body in (b"\x81\x91\x01\x01", bytes.fromhex("8181a1610101"), b"\x81\xc0\x01",
+                     b"\x81\xcb" + b"\0" * 8 + b"\x01", nested):
             rejected(post(server, method, body), None, "map keys must be strings")
     # An int key only inside logit_bias: elsewhere 400, there accepted (the negative control).
     so = prefill("intkey", 4)
