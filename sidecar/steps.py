@@ -8,8 +8,8 @@ on the MLX thread, in arrival order:
   carry any id);
 - the next phase of the last step, or the first phase of step last + 1 (any id when there is no
   last step): runs, and on success its wire reply is kept;
-- a phase of a kept step that already ran: the kept reply, without running anything again (a
-  resend after a lost reply);
+- a phase of a kept step that already ran, with the same body (its `fingerprint`): the kept
+  reply, without running anything again (a resend after a lost reply); with another body, 409;
 - anything else: 409 `step_out_of_sequence` naming the last applied step.
 
 A rejected or failed call is not recorded (it changed nothing). Calls that drop request state
@@ -19,6 +19,7 @@ n + 1 in flight before n's reply arrives and still resend n.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -56,10 +57,18 @@ def step_id_of(kwargs: dict, method: str) -> int | None:
     return v
 
 
+def fingerprint(method: str, body: bytes, kwargs: dict) -> bytes:
+    """What identifies a numbered step's body for resends (a hash: ~1 ms per MB)."""
+    if method not in STEP_METHODS or kwargs.get("step_id") is None:
+        return b""
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
 class StepLedger:
     def __init__(self, window: int = 1):
         self.window = window
-        self._steps: OrderedDict[int, dict[str, Any]] = OrderedDict()  # step id -> {phase: wire reply}
+        # step id -> {phase: (body fingerprint, wire reply)}
+        self._steps: OrderedDict[int, dict[str, tuple[bytes, Any]]] = OrderedDict()
 
     @property
     def last(self) -> int | None:
@@ -68,14 +77,17 @@ class StepLedger:
     def reset(self) -> None:
         self._steps.clear()
 
-    def run(self, step_id: int | None, method: str, call: Callable[[], Any]) -> Any:
+    def run(self, step_id: int | None, method: str, call: Callable[[], Any], fingerprint: bytes = b"") -> Any:
         if step_id is None:
             result = call()
             self.reset()
             return result
         kept = self._steps.get(step_id)
         if kept is not None and method in kept:
-            return kept[method]
+            if kept[method][0] != fingerprint:
+                raise StepConflict(f"step {step_id} was applied with a different {method} body; a resend must "
+                                   "repeat the step's body exactly", self.last)
+            return kept[method][1]
         phase = STEP_METHODS.index(method)
         last = self.last
         if kept is not None:
@@ -85,7 +97,7 @@ class StepLedger:
         elif phase != 0 or (last is not None and step_id != last + 1):
             raise self._conflict(step_id, method)
         result = call()
-        self._steps.setdefault(step_id, {})[method] = result
+        self._steps.setdefault(step_id, {})[method] = (fingerprint, result)
         while len(self._steps) > self.window:
             self._steps.popitem(last=False)
         return result

@@ -76,3 +76,12 @@ def test_step_id_kwarg() -> None:
         with pytest.raises(ProtocolError) as e:
             step_id_of({"step_id": bad}, "execute_model")
         assert e.value.field == "step_id"
+
+
+def test_a_resend_must_repeat_the_body() -> None:
+    led, run = StepLedger(), Counter()
+    led.run(1, "execute_model", run, b"body-1")
+    assert led.run(1, "execute_model", run, b"body-1") == {"n": 1}
+    with pytest.raises(StepConflict) as e:
+        led.run(1, "execute_model", run, b"another body")
+    assert "different execute_model body" in e.value.message and e.value.last_step_id == 1 and run.calls == 1

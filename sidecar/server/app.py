@@ -44,7 +44,7 @@ from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_to
 from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
-from sidecar.steps import StepLedger
+from sidecar.steps import StepLedger, fingerprint
 from sidecar.worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
@@ -140,7 +140,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 kwargs = await asyncio.to_thread(decode_body, body, in_type)
             else:
                 kwargs = decode_body(body, in_type)
-            call = bind_kwargs(sc.worker, method, kwargs, sc.steps)
+            call = bind_kwargs(sc.worker, method, kwargs, sc.steps, fingerprint(method, body, kwargs))
             timing: list[float] = []
             result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout)
             payload: Any = {"result": result}

@@ -21,10 +21,11 @@ log = logging.getLogger("sidecar.rpc")
 METHODS = tuple(ALLOWED)
 
 
-def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger | None = None) -> Callable[[], Any]:
+def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger | None = None,
+                fingerprint: bytes = b"") -> Callable[[], Any]:
     """Check kwargs against the method's signature (400 naming the field) and return the call.
     A null argument means the parameter's default. With `steps`, step methods take an optional
-    `step_id` (exactly-once retries, see steps.py)."""
+    `step_id` (exactly-once retries, see steps.py); `fingerprint` identifies the body."""
     fn = getattr(worker, method)
     params = inspect.signature(fn).parameters
     step_id = step_id_of(kwargs, method) if steps is not None else None
@@ -40,7 +41,7 @@ def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger 
     if steps is None:
         return lambda: to_wire(fn(**kwargs))
     if method in STEP_METHODS:
-        return lambda: steps.run(step_id, method, lambda: to_wire(fn(**kwargs)))
+        return lambda: steps.run(step_id, method, lambda: to_wire(fn(**kwargs)), fingerprint)
 
     def call() -> Any:
         result = to_wire(fn(**kwargs))

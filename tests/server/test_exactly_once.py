@@ -116,6 +116,10 @@ def test_an_out_of_sequence_step_is_a_409_naming_the_last_applied_step(server) -
     assert value(scrape(server.url), "mlx_worker_running_requests") == 1  # nothing ran
     assert post_step(server, finish("seq"), 8)["req_ids"] == []
     assert post_step(server, finish("seq"), 8)["req_ids"] == []  # a resend
+    r = httpx.post(f"{server.url}/rpc/execute_model", content=msgpack.packb({"scheduler_output": finish("other"),
+                                                                           "step_id": 8}),
+                   headers={"content-type": "application/msgpack"})
+    assert r.status_code == 409 and "different execute_model body" in msgpack.unpackb(r.content)["error"]["message"]
     # A cache re-initialisation drops the request state and the sequence with it.
     info = httpx.get(f"{server.url}/info").json()
     w = RemoteWorker(server.url)
