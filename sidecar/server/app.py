@@ -385,6 +385,7 @@ def serve(config: Config) -> int:
                 os.unlink(config.uds)
     if not server.started:
         return 1
+    mx.clear_streams()  # this thread's, if any (the MLX thread clears its own when it ends)
     if server.force_exit or not sc.clean_shutdown:
         # The MLX thread may still be inside a computation: do not run interpreter finalisation
         # (and MLX's static destructors) under it.

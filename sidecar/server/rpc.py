@@ -85,6 +85,16 @@ class MLXThread:
         self._thread.start()
 
     def _loop(self) -> None:
+        try:
+            self._run_jobs()
+        finally:
+            # MLX (>= 0.32) frees a thread's streams only when told to, before the thread ends;
+            # left to process exit, its destructors can abort ("terminate called ...", SIGABRT).
+            import mlx.core as mx
+
+            mx.clear_streams()
+
+    def _run_jobs(self) -> None:
         while (job := self._queue.get()) is not None:
             if job.cancelled:
                 continue
