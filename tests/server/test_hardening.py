@@ -157,6 +157,7 @@ def test_bounds_are_checked_by_shape_before_decoding(server) -> None:
         assert call(server, "execute_model", scheduler_output=so).status_code == 200
     rejected(call(server, "execute_model", scheduler_output=steps[4]), "scheduled_new_reqs", "over the limit of 4")
     assert running(server) == 4
+    assert value(scrape(server.url), "mlx_worker_kv_cache_blocks_used") == 4  # published by the MLX thread
     both = {**steps[4], "finished_req_ids": [steps[0]["scheduled_new_reqs"][0]["req_id"]]}
     assert call(server, "execute_model", scheduler_output=both).status_code == 200
     # a table grown past max_model_len's blocks by appends
@@ -220,6 +221,8 @@ def test_init_device_takes_only_safe_overrides_and_a_bad_model_is_4xx(home: str,
         e = rejected(call(s, "load_model"), "config.model", "cannot be loaded")
         assert str(tmp_path) not in e["message"]
         assert httpx.get(f"{s.url}/info").json()["state"] == "device_ready"
+        assert call(s, "init_device", config={"model": "builtin:nope"}).status_code == 200
+        rejected(call(s, "load_model"), "config.model", "cannot be loaded")
         assert call(s, "init_device", config={"model": "builtin:tiny"}).status_code == 200
         assert call(s, "load_model").status_code == 200
         assert httpx.get(f"{s.url}/info").json()["block_size"] == 32
