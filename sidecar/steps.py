@@ -53,7 +53,8 @@ def step_id_of(kwargs: dict, method: str) -> int | None:
     if type(v) is not int or not 0 <= v < 2**63:
         from sidecar.codec import wire_type
 
-        raise ProtocolError(f"step_id must be an integer in [0, 2^63), got {wire_type(v)}", field="step_id")
+        got = str(v)[:40] if type(v) is int else wire_type(v)
+        raise ProtocolError(f"step_id must be an integer in [0, 2^63), got {got}", field="step_id")
     return v
 
 
