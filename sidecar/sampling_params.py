@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.codec import wire_type
 from sidecar.errors import ProtocolError
 
 _SAMPLING_EPS = 1e-5
@@ -128,13 +129,13 @@ class SamplingParams:
 
 def _real(v: Any, field: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ProtocolError("must be a finite number", field=field)
+        raise ProtocolError(f"must be a finite number, got {wire_type(v)}", field=field)
     return float(v)
 
 
 def _int(v: Any, field: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ProtocolError("must be an integer", field=field)
+        raise ProtocolError(f"must be an integer, got {wire_type(v)}", field=field)
     return v
 
 

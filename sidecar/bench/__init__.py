@@ -3,6 +3,7 @@ scheduler) against mlx-lm (in this process) on the same model, greedy, same prom
 
 Scenarios (headline keys in the JSON): single_stream_ratio, batch32_ratio, rpc_overhead_ms_p50 /
 rpc_overhead_ms_p99 (and per batch size), prefix_ttft_ratio, pool_size_ratio, sampling_mixed_ratio,
+spec_repetitive_ratio / spec_random_ratio (n-gram speculation on vs off, spec.py),
 vllm_engine_ratio (vLLM's engine through the worker class / the reference scheduler, when .venv-vllm exists),
 plus throughput against concurrency for both sides (the PNG). Workload sizes: params.py.
 """
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.bench import report, scenarios
+from sidecar.bench import report, scenarios, spec
 from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
 from sidecar.bench.report import REQUIRED_KEYS, table
@@ -152,6 +153,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
             ("prefix", lambda: scenarios.prefix_ttft(b)),
             ("rpc overhead", lambda: scenarios.rpc_overhead(b)),
             ("pool_size", lambda: scenarios.pool_size(b, make_side)),
+            ("speculative", lambda: spec.speculative(b, make_side)),
             ("vllm engine", lambda: vllm_engine(b, make_side)),
         ]
         timings: dict[str, float] = {}

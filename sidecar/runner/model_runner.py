@@ -17,13 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from sidecar.errors import StateError
+from sidecar.errors import ProtocolError, StateError
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.kv_cache import BatchLayout, KVPool, LayerSpec, PagedCache
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs
+from sidecar.runner.spec_decode import SpecCounters, Verified, verify
 
 
 class _Selection:
@@ -99,6 +100,9 @@ class StepStats:
     generated_tokens: int = 0
     seconds: float = 0.0
     first_token_latencies: tuple[float, ...] = ()
+    draft_tokens: int = 0  # drafts verified in the step, and how many were accepted
+    accepted_tokens: int = 0
+    prefill_chunks: int = 0  # rows that computed a prompt chunk without sampling
 
 
 class ModelRunner:
@@ -120,6 +124,8 @@ class ModelRunner:
         self._ahead: _Ahead | None = None
         self.ahead_hits = self.ahead_misses = 0
         self._pending: _Pending | None = None
+        self.spec = SpecCounters()
+        self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
@@ -142,11 +148,15 @@ class ModelRunner:
         self.pool = None  # free the old pool before allocating the new one
         self.requests.clear()
         self.pool = KVPool(self.specs, num_blocks)
+        if self.proposer is not None:
+            self.proposer.allocate(num_blocks)
 
     def free(self) -> None:
         self._ahead = self._pending = None
         self.pool = None
         self.requests.clear()
+        if self.proposer is not None:
+            self.proposer.free()
 
     @property
     def num_blocks(self) -> int:
@@ -182,6 +192,8 @@ class ModelRunner:
                 s.block_ids, s.num_computed_tokens, s.output_token_ids, s.first_token_at = blocks, computed, outputs, first
 
         apply(self.requests, plan)
+        if self.proposer is not None:
+            self.proposer.forget(plan.finished)
         ahead, self._ahead = self._ahead, None
         try:
             if plan.block_copies:  # before the forward; the queued decode may read a destination
@@ -194,7 +206,7 @@ class ModelRunner:
                 self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
                 self.last_stats = StepStats()
                 return None
-            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead)
+            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead, propose=True)
         except BaseException:
             restore()
             raise
@@ -208,21 +220,28 @@ class ModelRunner:
         if p is None:
             raise StateError("sample_tokens: no step is pending; call execute_model with defer_sampling first")
         grammar = decode_grammar(grammar_output, [r.state.req_id for r in p.rows], self.vocab_size)
+        if grammar is not None and grammar.rows and any(r.num_draft for r in p.rows):
+            raise ProtocolError("a grammar bitmask with speculative tokens in the step is not supported",
+                                field="grammar_output")
         self._pending = None
         try:
-            result = self._finish(p.rows, p.logits, p.prompt_lp, self.decode_ahead, grammar)
+            result = self._finish(p.rows, p.logits, p.prompt_lp, self.decode_ahead, grammar, propose=True)
         except BaseException:
             p.restore()
             raise
         self.last_stats.seconds = time.perf_counter() - p.started
         return result
 
-    def _start_ahead(self, rows: list[Row], tokens: mx.array) -> tuple[list[int], mx.array] | None:
+    def _start_ahead(self, rows: list[Row], tokens: mx.array,
+                     skip: set[str] = frozenset()) -> tuple[list[int], mx.array] | None:
         """Queue the forward of the likely next decode step (see _Ahead) on this step's tokens
         [rows], which may still be lazy: then it follows the sampling without a gap, as mlx-lm's
         generate loop does. Returns the rows it covers and its logits."""
         bs = self.pool.block_size  # type: ignore[union-attr]
-        idx = [i for i, r in enumerate(rows) if r.sample and r.end < len(r.block_ids) * bs and r.end < self.max_model_len
+        # Rows that verified drafts (their next position is not r.end) or got new drafts (their
+        # next step is not a plain decode) are left out.
+        idx = [i for i, r in enumerate(rows) if r.sample and not r.num_draft and r.state.req_id not in skip
+               and r.end < len(r.block_ids) * bs and r.end < self.max_model_len
                and len(r.state.output_token_ids) + 1 < (r.state.sampling_params.max_tokens or 1 << 62)]
         if not idx:
             return None
@@ -250,11 +269,12 @@ class ModelRunner:
         self.ahead_misses += len(ahead.rows) - (len(decode) - len(rest))
         return rest
 
-    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False) -> ModelRunnerOutput:
-        return self._finish(rows, *self._logits(rows, ahead), start_ahead)
+    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
+             propose: bool = False) -> ModelRunnerOutput:
+        return self._finish(rows, *self._logits(rows, ahead), start_ahead, propose=propose)
 
     def _logits(self, rows: list[Row], ahead: _Ahead | None) -> tuple[mx.array | None, dict]:
-        """The step's forward (lazy): each row's last logits [rows, V] and prompt-logprob spans."""
+        """The step's forward (lazy): each row's last logits and prompt-logprob spans."""
         if not rows:
             return None, {}
         last: list[mx.array | None] = [None] * len(rows)
@@ -267,15 +287,23 @@ class ModelRunner:
         return mx.concatenate([x for x in last], axis=0), prompt_lp  # type: ignore[misc]
 
     def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, start_ahead: bool,
-                grammar: GrammarMask | None = None) -> ModelRunnerOutput:
+                grammar: GrammarMask | None = None, propose: bool = False) -> ModelRunnerOutput:
         """Sample the step's logits and build its output."""
         if logits is None:
             self.last_stats = StepStats()
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         logits = apply_grammar(logits, grammar)
         started = None
-        if start_ahead and grammar is None and all(_plain_greedy(r) for r in rows):
+        lazy = False
+        verified: Verified | None = None
+        if any(r.num_draft for r in rows):
+            probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
+            verified = verify(self.sampler, logits, rows, probs)
+            res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
+            mx.eval(self.pool.arrays())
+        elif start_ahead and grammar is None and self.proposer is None and all(_plain_greedy(r) for r in rows):
             # Sample lazily and queue the next step's forward behind it before waiting.
+            lazy = True
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
             mx.async_eval(tokens, nans, self.pool.arrays())
             started = self._start_ahead(rows, tokens)
@@ -285,8 +313,9 @@ class ModelRunner:
                            for r in rows]
             res = self.sampler.sample(logits, sample_rows)
             mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
-            if start_ahead:
-                started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32))
+        drafted = self._propose(rows, res, verified) if propose else set()
+        if start_ahead and not lazy and (verified is None or not all(r.num_draft for r in rows)):
+            started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32), drafted)
         if started is not None:
             bs = self.pool.block_size
             idx, ahead_logits = started
@@ -297,19 +326,27 @@ class ModelRunner:
         now = time.monotonic()
         sampled: list[list[int]] = []
         ttfts = []
-        for r, tok in zip(rows, res.token_ids):
+        for i, (r, tok) in enumerate(zip(rows, res.token_ids)):
             if r.sample:
                 s = r.state
-                s.output_token_ids.append(int(tok))
+                toks = [int(tok)] if verified is None else verified.token_ids[i]
+                s.output_token_ids.extend(toks)
+                s.num_computed_tokens -= r.num_draft - (len(toks) - 1)  # the scheduler's rollback
                 if s.first_token_at is None:
                     s.first_token_at = now
                     ttfts.append(now - s.first_seen)
-                sampled.append([int(tok)])
+                sampled.append(toks)
             else:
                 sampled.append([])
         req_ids = [r.state.req_id for r in rows]
         logprobs = None
-        if res.logprob_token_ids is not None:
+        if verified is not None:
+            if verified.logprob_token_ids is not None:
+                logprobs = LogprobsLists(verified.logprob_token_ids, verified.logprobs,  # type: ignore[arg-type]
+                                         verified.sampled_token_ranks, verified.cu_num_generated_tokens)  # type: ignore[arg-type]
+            self.spec = SpecCounters(self.spec.draft_tokens + verified.num_draft,
+                                     self.spec.accepted_tokens + verified.num_accepted, self.spec.steps_with_drafts + 1)
+        elif res.logprob_token_ids is not None:
             logprobs = LogprobsLists(res.logprob_token_ids, res.logprobs, res.sampled_token_ranks)  # type: ignore[arg-type]
         plp_dict: dict[str, LogprobsLists | PromptLogprobs | None] = {}
         for i, (lg, targets) in prompt_lp.items():
@@ -322,7 +359,8 @@ class ModelRunner:
                 plp_dict[req_ids[i]] = LogprobsLists(ids, lps, ranks)
         for i, r in enumerate(rows):  # v2: whole, in the step that samples the first token
             sp = r.state.sampling_params
-            if r.sample and sp.prompt_logprobs is not None and sp.prompt_logprobs_whole and len(r.state.output_token_ids) == 1:
+            if (r.sample and sp.prompt_logprobs is not None and sp.prompt_logprobs_whole
+                    and len(r.state.output_token_ids) == len(sampled[i])):
                 parts = r.state.prompt_lp_parts
                 plp_dict[req_ids[i]] = PromptLogprobs([x for p in parts for x in p[0]], [x for p in parts for x in p[1]],
                                                       [x for p in parts for x in p[2]])
@@ -330,7 +368,9 @@ class ModelRunner:
         nans = {rid: n for rid, n in zip(req_ids, res.num_nans) if n}
         prompt_tokens = sum(max(0, min(r.end, len(r.state.prompt_token_ids)) - r.start) for r in rows)
         self.last_stats = StepStats(len(rows), sum(len(r.token_ids) for r in rows), prompt_tokens,
-                                    sum(map(len, sampled)), 0.0, tuple(ttfts))
+                                    sum(map(len, sampled)), 0.0, tuple(ttfts),
+                                    verified.num_draft if verified else 0, verified.num_accepted if verified else 0,
+                                    prefill_chunks=sum(not r.sample for r in rows))
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs_dict=plp_dict,
@@ -364,7 +404,7 @@ class ModelRunner:
                 spans.append((b, len(select), hi - r.start, r.state.prompt_token_ids[r.start + 1 : hi + 1]))
                 select.extend(b * L + i for i in range(hi - r.start))
             last_at.append(len(select))
-            select.append(b * L + lengths[b] - 1)
+            select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
         index = mx.array(np.asarray(select, np.int32))
         caches = [PagedCache(pool, i, layout) for i in range(len(pool.specs))]
         if self.lora.adapters:
@@ -381,9 +421,16 @@ class ModelRunner:
             self.lora.rows.groups = []
         logits = logits.astype(mx.float32)
         for b, w in enumerate(where):
-            last[w] = logits[last_at[b] : last_at[b] + 1]
+            last[w] = logits[last_at[b] : last_at[b] + 1 + rows[b].num_draft]
         for b, first, count, targets in spans:
             prompt_lp[where[b]] = (logits[first : first + count], targets)
+
+    def _propose(self, rows: list[Row], res: SampleResult, verified: Verified | None) -> set[str]:
+        """Hand this step's tokens to the proposer (drafts for the next step); returns the ids it drafted for."""
+        if self.proposer is None:
+            return set()
+        toks = [[int(t)] if r.sample else [] for r, t in zip(rows, res.token_ids)] if verified is None else verified.token_ids
+        return self.proposer.propose(self, rows, toks)
 
 
 def _plain_greedy(row: Row) -> bool:
