@@ -43,10 +43,11 @@ class State(str, enum.Enum):
 
 S = State
 _LOADED = {S.MODEL_LOADED, S.CACHE_READY, S.READY}
+INIT_STATES = {S.CREATED, S.DEVICE_READY, S.SHUT_DOWN}
 _CACHED = {S.CACHE_READY, S.READY}
 # method -> (states it is allowed in, what must come first)
 ALLOWED: dict[str, tuple[set[State], str]] = {
-    "init_device": (set(State), ""),  # v2: from any state (a restarted scheduler starts over)
+    "init_device": (set(State), ""),  # checked in init_device: INIT_STATES, or any state with reset=true (v2)
     "load_model": ({S.DEVICE_READY}, "call init_device first (load_model runs once per init_device)"),
     "determine_available_memory": (_LOADED, "call load_model first"),
     "get_kv_cache_spec": (_LOADED | {S.SLEEPING}, "call load_model first"),
@@ -127,8 +128,9 @@ class MLXWorker:
 
     # --- the state machine -------------------------------------------------------------------
 
-    def require(self, method: str) -> None:
-        states, hint = ALLOWED[method]
+    def require(self, method: str, states: set[State] | None = None, hint: str | None = None) -> None:
+        if states is None:
+            states, hint = ALLOWED[method]
         if self.state not in states:
             if self.state == S.SLEEPING:
                 raise Unavailable(f"{method}: the worker is sleeping; call wake_up first", retry_after=1)
@@ -138,9 +140,13 @@ class MLXWorker:
     # --- lifecycle ----------------------------------------------------------------------------
 
     @lifecycle
-    def init_device(self, config: dict | None = None) -> None:
-        """From any state: past `device_ready` the model and cache are dropped first (v2), so a
-        restarted scheduler can re-initialise a running worker."""
+    def init_device(self, config: dict | None = None, reset: bool = False) -> None:
+        """v2 `reset=true`: allowed in any state; past `device_ready` the model, the cache and all
+        request state are dropped first (as `shutdown`), so a restarted scheduler can re-initialise
+        a running worker. Without it, as v1: only in created, device_ready and shut_down."""
+        check(reset, bool, "reset")
+        if not reset:
+            self.require("init_device", INIT_STATES, "call shutdown first, or init_device with reset=true")
         if config:
             try:
                 new_config = self.config.override(check(config, dict, "config"))

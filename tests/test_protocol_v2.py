@@ -155,8 +155,13 @@ def test_two_phase_step_over_a_real_server(home) -> None:
         with pytest.raises(RemoteError) as e:
             r.call("sample_tokens", grammar_output=None)
         assert e.value.status == 409
-        # A restarted scheduler re-initialises the running worker from `ready`.
-        r.init_device({"block_size": 32})
+        # A restarted scheduler re-initialises the running worker from `ready` with reset=true
+        # (without it, as v1: 409, nothing changes).
+        with pytest.raises(RemoteError) as e:
+            r.init_device({"block_size": 32})
+        assert e.value.status == 409 and r.info()["state"] == "ready"
+        r.call("init_device", config={"block_size": 32}, reset=True)
+        assert r.info()["state"] == "device_ready"
         r.load_model()
         assert r.get_kv_cache_spec()["model.layers.0.self_attn"]["block_size"] == 32
         r.close()

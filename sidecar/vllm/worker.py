@@ -76,7 +76,7 @@ class MLXSidecarWorker(WorkerBase):
                   "max_num_batched_tokens": sc.max_num_batched_tokens, "max_logprobs": mc.max_logprobs}
         if mc.seed is not None:
             config["seed"] = mc.seed
-        self._call("init_device", config=config)  # from any state: a restarted vLLM starts over
+        self._call("init_device", config=config, reset=True)  # from any state: a restarted vLLM starts over
         self._loras.clear()
         log.info("MLX sidecar at %s initialised (%s)", self.remote.url, config)
 
