@@ -60,9 +60,11 @@ class MLXSidecarWorker(WorkerBase):
             raise Unsupported("the MLX sidecar is one worker: use tensor/pipeline parallel size 1 "
                               "(scale-out happens inside the sidecar, with mx.distributed)")
         s = sidecar_settings(vllm_config.additional_config)
-        self.remote = RemoteWorker(s["url"], token=s["token"], timeout=s["timeout"])
+        # pin_instance: a sidecar that restarted under us answers 409 instead of acting on a fresh state.
+        self.remote = RemoteWorker(s["url"], token=s["token"], timeout=s["timeout"], pin_instance=True)
         self._loras: set[int] = set()
         self._deferred = False
+        self._step_id = 1  # exactly-once steps: a step whose reply was lost is resent with its number
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return self.remote.call(method, **kwargs)
@@ -124,16 +126,20 @@ class MLXSidecarWorker(WorkerBase):
         self._load_loras(scheduler_output)
         wire = convert.scheduler_output(scheduler_output)
         if scheduler_output.has_structured_output_requests:
-            self._call("execute_model", scheduler_output=wire, defer_sampling=True)
+            self._call("execute_model", scheduler_output=wire, defer_sampling=True, step_id=self._step_id)
             self._deferred = True
             return None
-        return convert.model_runner_output(self._call("execute_model", scheduler_output=wire))
+        out = self._call("execute_model", scheduler_output=wire, step_id=self._step_id)
+        self._step_id += 1  # only once applied: a rejected step changed nothing and keeps its number
+        return convert.model_runner_output(out)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         if not self._deferred:
             raise RuntimeError("sample_tokens without a deferred execute_model")
+        out = self._call("sample_tokens", grammar_output=convert.grammar_output(grammar_output), step_id=self._step_id)
         self._deferred = False
-        return convert.model_runner_output(self._call("sample_tokens", grammar_output=convert.grammar_output(grammar_output)))
+        self._step_id += 1
+        return convert.model_runner_output(out)
 
     def take_draft_token_ids(self) -> Any:
         try:
