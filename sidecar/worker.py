@@ -23,7 +23,10 @@ from mlx.utils import tree_flatten
 from sidecar.config import Config, ConfigError
 from sidecar.errors import ProtocolError, StateError, Unavailable
 from sidecar.protocol import ModelRunnerOutput, check, get
-from sidecar.runner.kv_cache import DTYPES, KVPool, LayerSpec, dtype_name
+from sidecar.runner.kv_cache import DTYPES, KVPool, dtype_name
+from sidecar.runner import kv_groups
+from sidecar.runner.batch_caches import probe_batched
+from sidecar.runner.kv_spec import derive, spec_wire
 from sidecar.runner.model_runner import ModelRunner
 from sidecar.runner.requests import RequestState, Row
 
@@ -49,6 +52,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "load_model": ({S.DEVICE_READY}, "call init_device first (load_model runs once per init_device)"),
     "determine_available_memory": (_LOADED, "call load_model first"),
     "get_kv_cache_spec": (_LOADED | {S.SLEEPING}, "call load_model first"),
+    "get_kv_cache_groups": (_LOADED | {S.SLEEPING}, "call load_model first"),
     "get_cache_block_size_bytes": (_LOADED | {S.SLEEPING}, "call load_model first"),
     "get_model": (_LOADED, "call load_model first"),
     "vocab_size": (_LOADED | {S.SLEEPING}, "call load_model first"),
@@ -156,18 +160,34 @@ class MLXWorker:
     def load_model(self) -> None:
         from mlx_lm.utils import load_model
 
-        from sidecar.models import resolve_model
+        from sidecar.models import ModelNotFound, resolve_model
 
-        path = resolve_model(self.config.model, self.config.home)
-        model, config = load_model(path)
+        try:
+            path = resolve_model(self.config.model, self.config.home)
+            model, config = load_model(path)
+        except ModelNotFound as e:
+            raise ProtocolError(str(e), field="config.model") from None
+        except (ValueError, KeyError, FileNotFoundError, TypeError, AttributeError) as e:
+            # mlx-lm cannot build it (unknown architecture, missing weights, config it cannot read)
+            raise ProtocolError(f"cannot load model {self.config.model!r}: {type(e).__name__}: {e}",
+                                field="config.model") from None
+        kv_dtype = None if self.config.kv_dtype == "auto" else self.config.kv_dtype
+        caches = derive(model, self.config.block_size, kv_dtype)  # 400 naming an unsupported layer kind
         self.model, self.model_config, self.model_path = model, config, path
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         cap = self.config.max_model_len or min(int(config.get("max_position_embeddings") or 4096), 32768)
         self.runner = ModelRunner(
-            model, self._layer_specs(), vocab_size=self._vocab_size(), eos_token_ids=self._eos_ids(),
+            model, caches.specs, vocab_size=self._vocab_size(), eos_token_ids=self._eos_ids(),
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
+            caches=caches,
         )
+        try:
+            probe_batched(self.runner)
+        except BaseException:
+            self.runner = self.model = None
+            self.model_config = {}
+            raise
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
 
@@ -192,20 +212,6 @@ class MLXWorker:
             v = src.get("eos_token_id")
             ids += v if isinstance(v, list) else [] if v is None else [v]
         return sorted(set(ids))
-
-    def _layer_specs(self) -> list[LayerSpec]:
-        c = self.model_config.get("text_config", self.model_config)
-        heads = c["num_attention_heads"]
-        kv_heads = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
-        dtype = dtype_name(self._model_dtype()) if self.config.kv_dtype == "auto" else self.config.kv_dtype
-        types = c.get("layer_types") or ["full_attention"] * len(self.model.layers)  # type: ignore[union-attr]
-        window = c.get("sliding_window")
-        return [
-            LayerSpec(self.config.block_size, kv_heads, head_dim, head_dim, dtype,
-                      window if t == "sliding_attention" else None)
-            for t in types
-        ]
 
     @lifecycle
     def determine_available_memory(self) -> int:
@@ -254,7 +260,13 @@ class MLXWorker:
     @lifecycle
     def get_kv_cache_spec(self) -> dict[str, dict]:
         assert self.runner is not None
-        return {f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(self.runner.specs)}
+        return spec_wire(self.runner.specs)
+
+    @lifecycle
+    def get_kv_cache_groups(self) -> list[dict]:
+        """The KV cache groups requests send block lists for, in order (vLLM's KVCacheGroupSpec)."""
+        assert self.runner is not None
+        return kv_groups.groups_view(self.runner)
 
     @lifecycle
     def get_cache_block_size_bytes(self) -> int:
@@ -284,6 +296,7 @@ class MLXWorker:
         num_blocks = get(kv_cache_config, "num_blocks", int, path)
         groups = get(kv_cache_config, "kv_cache_groups", list, path, default=[])
         ours = self.get_kv_cache_spec()
+        order = kv_groups.scheduler_groups(self.runner, groups, path)  # validated before anything changes
         named: set[str] = set()
         for i, g in enumerate(groups):
             gp = f"{path}.kv_cache_groups[{i}]"
@@ -302,6 +315,7 @@ class MLXWorker:
             missing = sorted(set(ours) - named)[0]
             raise ProtocolError(f"layer {missing!r} is in no KV cache group", field=f"{path}.kv_cache_groups")
         self.initialize_cache(num_blocks, 0)
+        self.runner.set_groups(order)
 
     @lifecycle
     def compile_or_warm_up_model(self) -> float:

@@ -1,0 +1,142 @@
+"""Tiny random models of many mlx-lm architectures, for correctness tests and built-ins.
+
+Each family is a config small enough to build in milliseconds (hidden 64, 2-4 layers) that
+still exercises what is distinctive about it: sliding windows shorter than a test's context,
+several experts, MLA ranks, attention sinks, recurrent layers. Configs start from one shared
+base (many naming variants at once: `ModelArgs.from_dict` keeps the keys a family knows) plus
+per-family overrides read from that family's `ModelArgs`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "rms_norm_eps": 1e-5, "layer_norm_eps": 1e-5,
+    "norm_eps": 1e-5, "layer_norm_epsilon": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+    "tie_word_embeddings": False, "hidden_act": "silu", "rope_scaling": None,
+    # GPT-2 style names
+    "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "n_ctx": 512, "n_inner": 128,
+}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "num_local_experts": 4, "n_routed_experts": 4, "decoder_sparse_step": 1, "mlp_only_layers": []}
+_MLA = {"rope_scaling": {"factor": 1.0}, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 20}
+_MAMBA = {"state_size": 8, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True, "time_step_rank": 8,
+          "n_groups": 1, "time_step_limit": [0.0, float("inf")], "num_heads": 4, "head_dim": 32,
+          "intermediate_size": 128}
+
+# family -> overrides of _BASE. Windows (8) and chunks (8) are shorter than the tests' contexts.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "phi3": {}, "cohere": {}, "starcoder2": {},
+    "internlm2": {}, "internlm3": {}, "exaone": {"num_layers": 2}, "glm": {}, "olmo2": {}, "mimo": {}, "smollm3": {},
+    "seed_oss": {}, "nemotron": {"hidden_act": "relu2"}, "phi": {}, "gpt2": {}, "hunyuan_v1_dense": {},
+    "nanochat": {}, "telechat3": {}, "youtu_llm": {}, "talkie": {}, "nanbeige": {}, "laguna": {},
+    "mixtral": _MOE, "phimoe": _MOE, "deepseek": {**_MOE, "n_shared_experts": 1, "first_k_dense_replace": 1},
+    "qwen3_moe": _MOE, "olmoe": _MOE,
+    "qwen2_moe": {**_MOE, "shared_expert_intermediate_size": 64},
+    "granitemoe": {**_MOE, "logits_scaling": 2.0, "attention_multiplier": 0.25, "embedding_multiplier": 4.0,
+                   "residual_multiplier": 0.5, "attention_bias": False},
+    "granite": {"logits_scaling": 2.0, "attention_multiplier": 0.25, "embedding_multiplier": 4.0,
+                "residual_multiplier": 0.5, "attention_bias": False, "mlp_bias": False},
+    "helium": {"attention_bias": False, "mlp_bias": False},
+    "ernie4_5": {"use_bias": False},
+    "glm4": {"attention_bias": False, "partial_rotary_factor": 0.5},
+    "stablelm": {"use_qkv_bias": False, "partial_rotary_factor": 0.5},
+    "gpt_neox": {"rotary_emb_base": 10000.0, "rotary_pct": 0.5},
+    "gpt_bigcode": {},
+    "minicpm": {"dim_model_base": 32, "scale_depth": 1.4, "scale_emb": 4.0},
+    "gemma2": {"num_hidden_layers": 2, "query_pre_attn_scalar": 16, "sliding_window": 8,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma3_text": {"num_hidden_layers": 3, "sliding_window": 8, "sliding_window_pattern": 3,
+                    "query_pre_attn_scalar": 16},
+    "cohere2": {"num_hidden_layers": 3, "sliding_window": 8, "sliding_window_pattern": 3},
+    "olmo3": {"num_hidden_layers": 2, "sliding_window": 8,
+              "layer_types": ["sliding_attention", "full_attention"]},
+    "exaone4": {"num_hidden_layers": 2, "sliding_window": 8, "sliding_window_pattern": "LG"},
+    "ministral3": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                   "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
+                                       "original_max_position_embeddings": 512}},
+    "gpt_oss": {**_MOE, "num_hidden_layers": 2, "sliding_window": 8, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v2": {**_MOE, **_MLA, "n_shared_experts": 1, "first_k_dense_replace": 1, "topk_method": "greedy",
+                    "num_key_value_heads": 4},
+    "deepseek_v3": {**_MOE, **_MLA, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1, "num_key_value_heads": 4},
+    "minicpm3": {**_MLA, "dim_model_base": 32, "scale_depth": 1.4, "scale_emb": 4.0, "num_key_value_heads": 4},
+    "llama4_text": {**_MOE, "num_hidden_layers": 4, "intermediate_size_mlp": 128, "no_rope_layers": [1, 1, 1, 0],
+                    "use_qk_norm": True, "attention_chunk_size": 8, "interleave_moe_layer_step": 1},
+    "llama4": {"text_config": {**_MOE, "num_experts_per_tok": 1, "model_type": "llama4_text", "hidden_size": 64, "num_attention_heads": 4,
+                               "num_hidden_layers": 4, "vocab_size": 256, "intermediate_size": 128,
+                               "intermediate_size_mlp": 128, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                               "rope_theta": 10000.0, "head_dim": 16, "tie_word_embeddings": False,
+                               "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True, "attention_chunk_size": 8,
+                               "interleave_moe_layer_step": 1, "max_position_embeddings": 512, "attention_bias": False,
+                               "rope_scaling": None,
+                               "attn_temperature_tuning": False, "floor_scale": 8192, "attn_scale": 0.1}},
+    "mamba": {**_MAMBA, "tie_word_embeddings": True},
+    "mamba2": {**_MAMBA, "tie_word_embeddings": True},
+    "qwen3_next": {**_MOE, "num_hidden_layers": 4, "full_attention_interval": 2, "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "linear_conv_kernel_dim": 4, "shared_expert_intermediate_size": 64, "partial_rotary_factor": 0.5},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3,
+                         "attention_bias": False, "embedding_multiplier": 4.0, "attention_multiplier": 0.25,
+                         "logits_scaling": 2.0, "residual_multiplier": 0.5, "mamba_n_heads": 4, "mamba_d_head": 32,
+                         "mamba_proj_bias": False, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_n_groups": 1,
+                         "mamba_conv_bias": True, "shared_intermediate_size": 128, "num_local_experts": 4,
+                         "num_experts_per_tok": 2},
+    "lfm2": {"num_hidden_layers": 3, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
+             "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
+             "block_ff_dim": 128, "full_attn_idxs": [1]},
+    "jamba": {**_MOE, "num_hidden_layers": 4, "attn_layer_offset": 1, "attn_layer_period": 2,
+              "expert_layer_offset": 1, "expert_layer_period": 2, "mamba_d_conv": 4, "mamba_d_state": 8,
+              "mamba_expand": 2},
+    "recurrent_gemma": {"num_hidden_layers": 3, "attention_bias": False, "conv1d_width": 4,
+                        "logits_soft_cap": 30.0, "attention_window_size": 8,
+                        "block_types": ["recurrent", "recurrent", "attention"], "num_key_value_heads": 1},
+    "falcon_h1": {},
+    "bailing_moe_v3": {}, "glm4_moe_lite": {}, "iquestloopcoder": {"loop_window_size": 8},
+    "muse_glimmer": {}, "plamo2": {}, "plamo3": {"window_size": 8}, "qwen2_vl": {}, "qwen3_vl": {},
+    "deepseek_v32": {**_MOE, **_MLA, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                     "topk_group": 1, "num_key_value_heads": 4, "index_head_dim": 16, "index_n_heads": 2,
+                     "index_topk": 4},
+}
+
+
+def tiny_config(family: str) -> dict[str, Any]:
+    return {**_BASE, **FAMILIES[family], "model_type": family}
+
+
+def build(family: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    """(model, config): the family's mlx-lm Model with deterministic random float32 weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from sidecar.models.builtin import _init
+
+    config = tiny_config(family)
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
+    model = mod.Model(mod.ModelArgs.from_dict(config))
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    weights = [(k, mx.array(_init(k, s, config, seed))) for k, s in sorted(shapes.items())]
+    model.load_weights(weights, strict=True)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def write(family: str, dest: Path, seed: int = 0) -> Path:
+    """Write the family's tiny model as an mlx-lm model directory (config.json + weights) at `dest`."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if (dest / "config.json").is_file():
+        return dest
+    model, config = build(family, seed)
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=1))  # written last: marks it complete
+    return dest
