@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,25 @@ def write(family: str, dest: Path, seed: int = 0) -> Path:
                         metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=1))  # written last: marks it complete
     return dest
+
+
+# Built-ins (builtin:<name>, with the trained tokenizer) of the families whose layers differ most.
+BUILTIN_FAMILIES = {"tiny-gemma3": "gemma3_text", "tiny-gpt-oss": "gpt_oss", "tiny-deepseek-v3": "deepseek_v3",
+                    "tiny-granitemoehybrid": "granitemoehybrid", "tiny-mamba2": "mamba2"}
+
+
+_BUILTIN_CORE = {"vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "tie_word_embeddings",
+                  "rms_norm_eps", "hidden_act"}
+
+
+def builtin_specs(base: Any) -> dict[str, Any]:
+    """BuiltinSpecs (`base` with the family's overrides) for sidecar.models.builtin."""
+    out = {}
+    for name, family in BUILTIN_FAMILIES.items():
+        # The built-in config has the core keys; the base's other names and the family's keys join it.
+        extra = {**{k: v for k, v in _BASE.items() if k not in _BUILTIN_CORE}, **FAMILIES[family]}
+        out[name] = replace(base, model_type=family, num_layers=int(extra.get("num_hidden_layers", base.num_layers)),
+                            tie_word_embeddings=bool(extra.get("tie_word_embeddings", base.tie_word_embeddings)),
+                            extra_config=extra)
+    return out
