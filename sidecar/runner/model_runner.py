@@ -232,9 +232,12 @@ class ModelRunner:
             batches = exact_batches(rows, decode + prefill, self.caches)
         else:
             batches = [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]
+        stores: list = []  # recurrent states are written back once every batch of the step is built
         for group in batches:
             if group:
-                self._forward([rows[i] for i in group], group, last, prompt_lp)
+                self._forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
+        for store in stores:
+            store()
         logits = mx.concatenate([x for x in last], axis=0)  # type: ignore[misc]
         started = None
         if start_ahead and all(_plain_greedy(r) for r in rows):
@@ -289,7 +292,7 @@ class ModelRunner:
         )
 
     def _forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
-                 tokens: mx.array | None = None) -> None:
+                 tokens: mx.array | None = None, stores: list | None = None) -> None:
         """One padded batch; fills `last[where[b]]` with row b's final logits [1, V]. `tokens`
         [B, L] replaces the rows' token ids (the lazy tokens of a step still being sampled)."""
         pool = self.pool
@@ -324,7 +327,10 @@ class ModelRunner:
                 logits = self.model(tokens, cache=caches)[0]
             else:
                 logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)[index]
-            store_states()
+            if stores is not None:
+                stores.append(store_states)
+            else:
+                store_states()
         finally:
             if self._selection is not None:
                 self._selection.index = None

@@ -84,7 +84,8 @@ class Snapshot:
             max_model_len=runner.max_model_len if runner is not None else None,
             vocab_size=runner.vocab_size if runner is not None else None,
             kv_cache_spec=spec_wire(specs) if specs else None,
-            block_tables=tuple(s.block_ids for s in runner.requests.values()) if runner is not None and pool else (),
+            block_tables=tuple(t for s in runner.requests.values() for t in [s.block_ids, *s.other_block_ids])
+            if runner is not None and pool else (),
         )
 
     def blocks_used(self) -> int:
