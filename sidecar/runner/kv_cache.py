@@ -153,6 +153,8 @@ class PagedCache:
 
     def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, mask_5d: bool = False):
         self.pool, self.layer, self.layout, self.mask_5d = pool, layer, layout, mask_5d
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
         spec = pool.specs[layer]
         self.window, self.chunk = spec.sliding_window, spec.attention_chunk_size
 
@@ -179,6 +181,7 @@ class PagedCache:
         v = vp[lay.read_slots].transpose(0, 2, 1, 3)
         if k.dtype != keys.dtype:
             k, v = k.astype(keys.dtype), v.astype(values.dtype)
+        self.keys, self.values = k, v  # read (and reassigned) by deepseek_v32's indexer; the pool is the truth
         return k, v
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:

@@ -151,16 +151,19 @@ def _has_grouped_scores(model: Any) -> bool:
     return False
 
 
-# Families whose mlx-lm output depends on mlx-lm's own prefill chunking, so no paged cache can
-# reproduce it: plamo3 masks its sliding layers with window + 1 over a rotating cache of window.
-_INEXACT = {"plamo3": "sliding layers mask a window one wider than their rotating cache holds"}
+# Families refused before any forward. plamo3's mlx-lm output depends on mlx-lm's own prefill
+# chunking (its sliding layers mask window + 1 keys over a rotating cache of window), so no paged
+# cache reproduces it; phi3small's block-sparse attention crashes the process (a segfault inside
+# MLX on the CPU backend, in mlx-lm's own forward of a few tokens).
+_REFUSED = {"plamo3": "sliding layers mask a window one wider than their rotating cache holds",
+            "phi3small": "its block-sparse attention crashes MLX (segfault) on short sequences"}
 
 
 def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCaches:
     """Probe the model's own caches; raises UnsupportedModel naming the layer and its cache kind."""
     family = type(model).__module__.rsplit(".", 1)[-1]
-    if family in _INEXACT:
-        raise UnsupportedModel(f"{family}: {_INEXACT[family]}", field="model")
+    if family in _REFUSED:
+        raise UnsupportedModel(f"{family}: {_REFUSED[family]}", field="model")
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
