@@ -144,6 +144,29 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "step3p5": {"num_attention_groups": 2, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                 "moe_num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
                 "moe_layers_enum": "1"},
+    "Klear": {**_MOE, "attention_bias": False, "n_shared_experts": 1},
+    "afm7": {"hidden_dim": 64, "num_layers": 3, "num_kv_reuse_layers": 1, "num_heads": 4, "num_kv_heads": 2},
+    "afmoe": {**_MOE, "num_hidden_layers": 2, "num_dense_layers": 1, "sliding_window": 8,
+              "layer_types": ["sliding_attention", "full_attention"]},
+    "apertus": {"mlp_bias": False, "attention_bias": False, "post_norm": False, "qk_norm": True},
+    "bailing_moe_linear": {**_MOE, "num_shared_experts": 1, "first_k_dense_replace": 1, "layer_group_size": 2,
+                           "group_norm_size": 1, "topk_group": 1},
+    "mellum": {**_MOE, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "mistral4": {**_MOE, **_MLA, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                     "llama_4_scaling_beta": 0.1,
+                                                     "original_max_position_embeddings": 512},
+                 "n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_group": 1,
+                 "first_k_dense_replace": 1, "n_group": 1, "num_key_value_heads": 4},
+    "solar_open": {**_MOE, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+                   "partial_rotary_factor": 0.5},
+    "spark2_5": {"hidden_act": "gelu", "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "gear": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+             "query_pre_attn_scalar": 16},
+    "lille-130m": {"block_size": 512, "n_kv_heads": 2},
     "deepseek_v32": {**_MOE, **_MLA, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                      "topk_group": 1, "num_key_value_heads": 4, "index_head_dim": 16, "index_n_heads": 2,
                      "index_topk": 4},
@@ -157,6 +180,7 @@ def tiny_config(family: str) -> dict[str, Any]:
 def build(family: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     """(model, config): the family's mlx-lm Model with deterministic random float32 weights."""
     import mlx.core as mx
+    import numpy as np
     from mlx.utils import tree_flatten
 
     from sidecar.models.builtin import _init
@@ -165,7 +189,8 @@ def build(family: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     mod = importlib.import_module(f"mlx_lm.models.{family}")
     model = mod.Model(mod.ModelArgs.from_dict(config))
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    weights = [(k, mx.array(_init(k, s, config, seed))) for k, s in sorted(shapes.items())]
+    # 0-d parameters (learned activation constants) are set to 0.5
+    weights = [(k, mx.array(_init(k, s, config, seed) if s else np.float32(0.5))) for k, s in sorted(shapes.items())]
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model, config

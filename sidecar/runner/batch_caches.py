@@ -62,35 +62,64 @@ def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: S
 
 
 def probe_batched(runner: Any) -> None:
-    """One two-row forward on a scratch pool. Models that build positions from the cache offset
-    with numpy (gpt_bigcode) cannot take per-row offsets: they run one row at a time instead."""
-    from sidecar.errors import ProtocolError
+    """Rows of different lengths in one padded batch must give each row's logits alone. Models
+    that take positions from the cache offset with numpy (gpt_bigcode: an error) or from the
+    length of the keys read (afm7: silently wrong) cannot take per-row offsets and padding: they
+    run one row at a time. A model that differs even so is refused, naming why."""
+    import numpy as np
+
     from sidecar.runner.kv_spec import UnsupportedModel
     from sidecar.runner.requests import RequestState
     from sidecar.runner.sampler import SamplingParams
 
-    def run() -> None:
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3]]
+
+    def run(together: bool) -> list[np.ndarray]:
+        """Prefill both prompts, then decode one token each, in shared batches or one row each;
+        the logits of both steps."""
         pool, saved = runner.pool, runner.requests
         try:
-            runner.pool, runner.requests = KVPool(runner.specs, 4), {}
+            runner.pool, runner.requests = KVPool(runner.specs, 8), {}
             greedy = SamplingParams(temperature=0.0)
-            states = [RequestState(f"probe-{i}", [1, 2], greedy, [i]) for i in range(2)]
-            runner._run([Row(s, 0, s.prompt_token_ids, s.block_ids, True) for s in states])
+            states = [RequestState(f"probe-{i}", p, greedy, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+            out: list = []
+            for step in range(2):
+                rows = [Row(s, 0, s.prompt_token_ids, s.block_ids, True) if step == 0 else
+                        Row(s, len(s.prompt_token_ids), [7], s.block_ids, True) for s in states]
+                idx = list(range(len(rows)))
+                if not together:
+                    batches = [[i] for i in idx]
+                elif runner.caches.has_state or runner.caches.scalar_offsets:
+                    batches = exact_batches(rows, idx, runner.caches)
+                else:
+                    batches = [idx]
+                last: list = [None] * len(rows)
+                stores: list = []
+                for b in batches:
+                    runner._forward([rows[i] for i in b], b, last, {}, stores=stores)
+                for store in stores:
+                    store()
+                out += [np.array(x[0]) for x in last]
+            return out
         finally:
             runner.pool, runner.requests = pool, saved
 
+    def exact() -> bool:
+        return all(np.allclose(a, b, rtol=1e-3, atol=1e-3 * (1 + float(np.abs(a).max())))
+                   for a, b in zip(run(False), run(True)))
+
     try:
-        run()
-        return
-    except ProtocolError:
-        raise
-    except Exception:
-        if runner.caches.scalar_offsets:
-            raise
-    runner.caches.scalar_offsets = True
-    runner.decode_ahead = False
-    try:
-        run()
+        if exact():
+            return
+        problem = "the batched forward differs from each row's alone"
     except Exception as e:
-        raise UnsupportedModel(f"the model's forward fails through the paged cache: {type(e).__name__}: {e}",
-                               field="model") from None
+        problem = f"the model's forward fails through the paged cache: {type(e).__name__}: {e}"
+    if not runner.caches.scalar_offsets:
+        runner.caches.scalar_offsets = True
+        runner.decode_ahead = False
+        try:
+            if exact():
+                return
+        except Exception as e:
+            problem = f"the model's forward fails through the paged cache: {type(e).__name__}: {e}"
+    raise UnsupportedModel(problem, field="model")

@@ -184,6 +184,10 @@ class PagedCache:
         self.keys, self.values = k, v  # read (and reassigned) by deepseek_v32's indexer; the pool is the truth
         return k, v
 
+    def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
+        """What this step's update_and_fetch returned (afm7's KV-reuse layers attend over it)."""
+        return self.keys, self.values
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
         # A rotating cache holds `window` keys: a larger window asked by the model is cut to it.
         w = self.window if not window_size else min(window_size, self.window or window_size)
