@@ -167,7 +167,7 @@ class MLXWorker:
             model, config = load_model(path)
         except ModelNotFound as e:
             raise ProtocolError(str(e), field="config.model") from None
-        except (ValueError, KeyError, FileNotFoundError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, OSError, TypeError, AttributeError, IndexError) as e:
             # mlx-lm cannot build it (unknown architecture, missing weights, config it cannot read)
             raise ProtocolError(f"cannot load model {self.config.model!r}: {type(e).__name__}: {e}",
                                 field="config.model") from None
