@@ -180,6 +180,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
                      "index_topk": 4},
 }
 
+# Multimodal wrappers mlx-lm serves as text models: a text_config of the inner family.
+_WRAPPERS = {"gemma3": "gemma3_text", "mistral3": "llama", "pixtral": "llama", "kimi_vl": "deepseek_v3",
+             "qwen3_vl_moe": "qwen3_moe", "lfm2-vl": "lfm2", "kimi_k25": "deepseek_v3"}
+FAMILIES.update({w: {"text_config": {**_BASE, **FAMILIES[inner], "model_type": inner}}
+                 for w, inner in _WRAPPERS.items()})
+
 
 def tiny_config(family: str) -> dict[str, Any]:
     return {**_BASE, **FAMILIES[family], "model_type": family}
