@@ -179,6 +179,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
                      "topk_group": 1, "num_key_value_heads": 4, "index_head_dim": 16, "index_n_heads": 2,
                      "index_topk": 4},
 }
+FAMILIES["gemma3n"] = {"text_config": {
+    **_BASE, "model_type": "gemma3n_text", "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+    "vocab_size_per_layer_input": 256, "sliding_window": 8, "rope_local_base_freq": 10000.0,
+    "final_logit_softcapping": None, "activation_sparsity_pattern": [0.0] * 4, "hidden_size_per_layer_input": 16,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "altup_num_inputs": 2, "altup_coef_clip": 120.0,
+    "altup_correct_scale": True, "altup_active_idx": 0, "laurel_rank": 8}}
 
 # Multimodal wrappers mlx-lm serves as text models: a text_config of the inner family.
 _WRAPPERS = {"gemma3": "gemma3_text", "mistral3": "llama", "pixtral": "llama", "kimi_vl": "deepseek_v3",
