@@ -199,6 +199,10 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
             shapes = tuple(tuple(c.cache[e].shape[1:]) for e in used)
             if tuple(shapes1[j][e][1:] for e in used) != shapes:  # type: ignore[index]
                 raise UnsupportedModel(f"layer {i}: recurrent state whose shape grows with the sequence", field="model")
+            odd = [str(c.cache[e].dtype) for e in used if c.cache[e].dtype not in (mx.float16, mx.bfloat16, mx.float32)]
+            if odd:  # longcat_flash_ngram keeps recent token ids, whose count grows over the first tokens
+                raise UnsupportedModel(f"layer {i}: a recurrent state of dtype {odd[0]} is not supported",
+                                       field="model")
             state_entries[j] = (len(c.cache), used)
             spec = LayerSpec(block_size, 0, 0, 0, dtype_name(c.cache[used[0]].dtype), kind=STATE,
                              state_shapes=shapes, state_dtypes=tuple(dtype_name(c.cache[e].dtype) for e in used))
