@@ -201,6 +201,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "nemotron-nas": {"block_configs": [
         {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.0}},
         {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}}]},
+    "deepseek_v41": {"qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 4,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "sliding_window": 8, "index_n_heads": 2,
+                     "index_head_dim": 16, "index_topk": 4, "hc_mult": 2, "candidate_block_size": 4,
+                     "candidate_topk_blocks": 4},
     "deepseek_v32": {**_MOE, **_MLA, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                      "topk_group": 1, "num_key_value_heads": 4, "index_head_dim": 16, "index_n_heads": 2,
                      "index_topk": 4},
