@@ -178,12 +178,14 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
         if isinstance(c, RotatingKVCache) and c.keep:
             raise UnsupportedModel(f"layer {i}: a rotating cache that keeps {c.keep} sink tokens is not supported",
                                    field="model")
-    probe = 4
+    # One token, four, one: a state's shape must not depend on how many tokens it has seen.
+    chunks = [[1], [2, 3, 4, 5], [6]]
+    shapes_seen = []
     try:
-        mx.eval(model(mx.array([list(range(1, probe + 1))]), cache=caches))
-        shapes1 = [[None if a is None else a.shape for a in c.cache] if isinstance(c, ArraysCache) else None
-                   for _, _, c in leaves]
-        mx.eval(model(mx.array([[1]]), cache=caches))
+        for chunk in chunks:
+            mx.eval(model(mx.array([chunk]), cache=caches))
+            shapes_seen.append([[None if a is None else a.shape for a in c.cache] if isinstance(c, ArraysCache) else None
+                                for _, _, c in leaves])
     except Exception as e:  # a model mlx-lm itself cannot run: refuse rather than fail later
         raise UnsupportedModel(f"the model's own probe forward failed: {type(e).__name__}: {e}", field="model") from None
 
@@ -197,17 +199,17 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
             if not used:
                 raise UnsupportedModel(f"layer {i}: its recurrent state was never written by a forward", field="model")
             shapes = tuple(tuple(c.cache[e].shape[1:]) for e in used)
-            if tuple(shapes1[j][e][1:] for e in used) != shapes:  # type: ignore[index]
+            if any(seen[j] != shapes_seen[-1][j] for seen in shapes_seen):
                 raise UnsupportedModel(f"layer {i}: recurrent state whose shape grows with the sequence", field="model")
             odd = [str(c.cache[e].dtype) for e in used if c.cache[e].dtype not in (mx.float16, mx.bfloat16, mx.float32)]
-            if odd:  # longcat_flash_ngram keeps recent token ids, whose count grows over the first tokens
+            if odd:  # e.g. token ids: not a recurrent state the pool can hold
                 raise UnsupportedModel(f"layer {i}: a recurrent state of dtype {odd[0]} is not supported",
                                        field="model")
             state_entries[j] = (len(c.cache), used)
             spec = LayerSpec(block_size, 0, 0, 0, dtype_name(c.cache[used[0]].dtype), kind=STATE,
                              state_shapes=shapes, state_dtypes=tuple(dtype_name(c.cache[e].dtype) for e in used))
         else:
-            if c.keys is None or c.offset != probe + 1:
+            if c.keys is None or c.offset != sum(map(len, chunks)):
                 raise UnsupportedModel(f"layer {i}: its cache is not written once per token by a forward "
                                        f"(shared or skipped KV layers are not supported)", field="model")
             _, H, _, D = c.keys.shape
