@@ -167,6 +167,9 @@ class MLXWorker:
             model, config = load_model(path)
         except ModelNotFound as e:
             raise ProtocolError(str(e), field="config.model") from None
+        except SystemExit:  # mlx-lm's olmo module exits when its optional dependency is missing
+            raise ProtocolError(f"cannot load model {self.config.model!r}: mlx-lm exited while importing its "
+                                "model family (a missing optional dependency?)", field="config.model") from None
         except (ValueError, KeyError, OSError, TypeError, AttributeError, IndexError) as e:
             # mlx-lm cannot build it (unknown architecture, missing weights, config it cannot read)
             raise ProtocolError(f"cannot load model {self.config.model!r}: {type(e).__name__}: {e}",

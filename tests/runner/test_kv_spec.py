@@ -53,7 +53,10 @@ def test_hf_config_names_and_bad_model_paths_are_4xx(home: str, tmp_path) -> Non
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
-    for model in ("/nonexistent/model", str(bad)):
+    olmo = tmp_path / "olmo"  # mlx-lm's olmo module calls sys.exit without its optional dependency
+    olmo.mkdir()
+    (olmo / "config.json").write_text(json.dumps({"model_type": "olmo"}))
+    for model in ("/nonexistent/model", str(bad), str(olmo)):
         w = MLXWorker(Config(model=model, home=home))
         w.init_device()
         with pytest.raises(ProtocolError) as e:
