@@ -23,10 +23,10 @@ from mlx.utils import tree_flatten
 from sidecar.config import Config, ConfigError
 from sidecar.errors import ProtocolError, StateError, Unavailable
 from sidecar.protocol import ModelRunnerOutput, check, get
-from sidecar.runner.kv_cache import DTYPES, KVPool, dtype_name
 from sidecar.runner import kv_groups
+from sidecar.runner.kv_cache import DTYPES, KVPool, dtype_name
 from sidecar.runner.batch_caches import probe_batched
-from sidecar.runner.kv_spec import derive, spec_wire
+from sidecar.runner.kv_spec import LayerSpec, derive, spec_wire
 from sidecar.runner.model_runner import ModelRunner
 from sidecar.runner.requests import RequestState, Row
 
@@ -60,6 +60,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "initialize_from_config": (_LOADED, "call load_model first"),
     "compile_or_warm_up_model": (_CACHED, "call initialize_cache first"),
     "execute_model": (_CACHED, "call initialize_cache first"),
+    "take_draft_token_ids": (_CACHED, "call initialize_cache first"),
     "sleep": (_CACHED, "call initialize_cache first"),
     "wake_up": ({S.SLEEPING}, "call sleep first"),
     "check_health": (set(State), ""),
@@ -191,6 +192,15 @@ class MLXWorker:
             self.runner = self.model = None
             self.model_config = {}
             raise
+        from sidecar.runner.proposers import proposer_for
+
+        if caches.has_state and self.config.spec_method != "none":
+            self.runner = self.model = None
+            self.model_config = {}
+            raise ProtocolError("speculative decoding is not offered for models with recurrent state",
+                                field="config.speculative_method")
+        self.runner.proposer = proposer_for(self.config, vocab_size=self._vocab_size(), max_model_len=cap,
+                                            layer_specs=self._layer_specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
 
@@ -216,6 +226,15 @@ class MLXWorker:
             ids += v if isinstance(v, list) else [] if v is None else [v]
         return sorted(set(ids))
 
+    def _layer_specs(self, model_config: dict | None = None, model: nn.Module | None = None) -> list[LayerSpec]:
+        """A draft model's layer specs, measured from it like the model's own (plain cache lists only)."""
+        kv_dtype = None if self.config.kv_dtype == "auto" else self.config.kv_dtype
+        caches = derive(model or self.model, self.config.block_size, kv_dtype)
+        if caches.has_state or caches.scalar_offsets or any(not isinstance(s, int) for s in caches.structure):
+            raise ProtocolError("a draft model needs plain attention layers (no recurrent state, CacheList or "
+                                "chunked attention)", field="config.draft_model")
+        return caches.specs
+
     @lifecycle
     def determine_available_memory(self) -> int:
         assert self.runner is not None
@@ -229,6 +248,11 @@ class MLXWorker:
         total = int(device_memory_bytes() * self.config.gpu_memory_utilization)
         held = self.runner.pool.nbytes if self.runner.pool else 0  # an existing pool is reusable
         free = total - self.weights_bytes - self.activation_peak_bytes - (mx.get_active_memory() - before) + held
+        draft = getattr(self.runner.proposer, "runner", None)
+        if draft is not None:  # the draft model's weights, and a draft block for every block of ours
+            free -= sum(v.nbytes for _, v in tree_flatten(draft.model.parameters()))
+            ours, theirs = self.get_cache_block_size_bytes(), sum(s.page_size_bytes for s in draft.specs)
+            free = free * ours // (ours + theirs)
         log.info("determine_available_memory: %d bytes (weights %d, activation peak %d)",
                  free, self.weights_bytes, self.activation_peak_bytes)
         return max(0, free)
@@ -331,6 +355,13 @@ class MLXWorker:
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute_model(self.runner.decode(scheduler_output))
+
+    @lifecycle
+    def take_draft_token_ids(self) -> dict | None:
+        """Drafts the proposer made in the last step (vLLM's DraftTokenIds), taken once; null when
+        speculation is off or no request got drafts."""
+        proposer = self.runner.proposer if self.runner is not None else None
+        return proposer.take() if proposer is not None else None
 
     @lifecycle
     def check_health(self) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from sidecar.errors import ProtocolError
 from sidecar.protocol import SchedulerOutput
 from sidecar.runner.sampler import SamplingParams
+from sidecar.runner.spec_decode import check_drafts, check_no_stray_drafts
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Row:
     token_ids: list[int]
     block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens
+    num_draft: int = 0  # the last num_draft token_ids are draft tokens to verify (spec_decode.py)
     other_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -69,6 +71,9 @@ class StepPlan:
     # cached requests: (state, new block tables (one per group sent), new output tokens or None)
     updates: list[tuple[RequestState, list[list[int]], list[int] | None]]
     rows: list[Row]
+
+
+_NO_DRAFTS = "speculative decoding is not offered for models with recurrent state (a rejected draft cannot be undone)"
 
 
 def _groups(groups: list[list[int]], path: str, num_groups: int) -> list[list[int]]:
@@ -145,7 +150,10 @@ def plan_step(
         n = scheduled(nr.req_id, f"{path}.req_id")
         check_tokens(nr.prompt_token_ids, f"{path}.prompt_token_ids")
         start, end = nr.num_computed_tokens, nr.num_computed_tokens + n
-        if start < 0 or end > len(nr.prompt_token_ids):
+        drafts = check_drafts(out.scheduled_spec_decode_tokens, nr.req_id, start, n, len(nr.prompt_token_ids), vocab_size)
+        if recurrent and drafts:
+            raise ProtocolError(_NO_DRAFTS, field=f"scheduled_spec_decode_tokens.{nr.req_id}")
+        if start < 0 or end - len(drafts) > len(nr.prompt_token_ids):
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the prompt of {len(nr.prompt_token_ids)}",
                 field=f"{path}.num_computed_tokens")
@@ -161,7 +169,9 @@ def plan_step(
         state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start,
                              lora_request=nr.lora_request, other_block_ids=list(tables[1:]))
         new_states.append(state)
-        rows.append(Row(state, start, state.tokens(start, end), table, end == state.num_tokens, list(tables[1:])))
+        known = end - len(drafts)
+        rows.append(Row(state, start, state.tokens(start, known) + drafts, table, known == state.num_tokens, len(drafts),
+                        list(tables[1:])))
 
     cached = out.scheduled_cached_reqs
     for i, rid in enumerate(cached.req_ids):
@@ -187,7 +197,10 @@ def plan_step(
             check_tokens(outputs, f"{path}.new_token_ids[{i}]")
         num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids if outputs is None else outputs)
         end = start + n
-        if start < 0 or end > num_tokens:
+        drafts = check_drafts(out.scheduled_spec_decode_tokens, rid, start, n, num_tokens, vocab_size)
+        if recurrent and drafts:
+            raise ProtocolError(_NO_DRAFTS, field=f"scheduled_spec_decode_tokens.{rid}")
+        if start < 0 or end - len(drafts) > num_tokens:
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the {num_tokens} known tokens of {rid!r}",
                 field=f"{path}.num_computed_tokens[{i}]")
@@ -211,8 +224,11 @@ def plan_step(
         check_tables(tables, end, f"{path}.new_block_ids[{i}]", False)
         updates.append((state, tables, outputs))
         all_toks = state.prompt_token_ids + (state.output_token_ids if outputs is None else outputs)
-        rows.append(Row(state, start, all_toks[start:end], tables[0], end == num_tokens, tables[1:]))
+        known = end - len(drafts)
+        rows.append(Row(state, start, all_toks[start:known] + drafts, tables[0], known == num_tokens, len(drafts),
+                        tables[1:]))
 
+    check_no_stray_drafts(out.scheduled_spec_decode_tokens, seen)
     extra = set(out.num_scheduled_tokens) - seen
     if extra:
         rid = sorted(extra)[0]

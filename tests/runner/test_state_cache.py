@@ -52,3 +52,17 @@ def test_prefix_caching_is_refused_and_not_offered(home: str, oracle_model) -> N
     oracle = oracle_model(str(tiny_dir(home, "mamba2")))
     for i in range(2):
         assert done[f"s{i}"].output_token_ids == mlx_lm_greedy(oracle, shared + [20 + i], 4)[0]
+
+
+def test_speculative_decoding_is_refused_for_recurrent_models(home: str) -> None:
+    w = served(home, "mamba2")
+    step = {"scheduled_new_reqs": [{"req_id": "r", "prompt_token_ids": list(range(3, 11)), "sampling_params": {},
+                                    "block_ids": [[1, 2, 3]], "num_computed_tokens": 0}],
+            "num_scheduled_tokens": {"r": 10}, "total_num_scheduled_tokens": 10,
+            "scheduled_spec_decode_tokens": {"r": [5, 6]}}
+    with pytest.raises(ProtocolError, match="recurrent state") as e:
+        w.execute_model(step)
+    assert e.value.field == "scheduled_spec_decode_tokens.r" and not w.runner.requests
+    with pytest.raises(ProtocolError, match="recurrent state") as e:
+        served(home, "mamba2", speculative_method="ngram")
+    assert e.value.field == "config.speculative_method"
