@@ -335,7 +335,10 @@ class MLXWorker:
             named.update(names)
             spec = get(g, "kv_cache_spec", dict, gp, default={})
             bs = spec.get("block_size", self.config.block_size)
-            if bs != self.config.block_size:
+            # A recurrent-state group's block size means nothing here (one state slot per block id);
+            # vLLM's hybrid allocator sizes it to match page sizes.
+            state_group = bool(names) and ours[names[0]]["type"] == "mamba"
+            if bs != self.config.block_size and not state_group:
                 raise ProtocolError(f"block_size {bs} differs from the worker's {self.config.block_size}",
                                     field=f"{gp}.kv_cache_spec.block_size")
         if groups and named != set(ours):

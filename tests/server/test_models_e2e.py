@@ -30,6 +30,7 @@ def test_unservable_models_are_400_and_a_hybrid_model_serves(home: str, oracle_m
             w.load_model()
             groups = w.get_kv_cache_groups()
             assert [g["kv_cache_spec"]["type"] for g in groups] == ["mamba", "full_attention"]
+            groups[0]["kv_cache_spec"]["block_size"] = 128  # vLLM sizes state groups to its page size
             w.initialize_from_config({"num_blocks": 64, "kv_cache_groups": groups})
             d = Driver(lambda so: w.call("execute_model", scheduler_output=so), 4, 64)
             prompts = [list(range(10, 27)), list(range(40, 49))]
