@@ -230,9 +230,10 @@ class MLXWorker:
         """A draft model's layer specs, measured from it like the model's own (plain cache lists only)."""
         kv_dtype = None if self.config.kv_dtype == "auto" else self.config.kv_dtype
         caches = derive(model or self.model, self.config.block_size, kv_dtype)
-        if caches.has_state or caches.scalar_offsets or any(not isinstance(s, int) for s in caches.structure):
-            raise ProtocolError("a draft model needs plain attention layers (no recurrent state, CacheList or "
-                                "chunked attention)", field="config.draft_model")
+        if (caches.has_state or caches.scalar_offsets or caches.mask_5d
+                or any(not isinstance(s, int) for s in caches.structure)):
+            raise ProtocolError("a draft model needs plain attention layers (no recurrent state, CacheList, "
+                                "grouped 5-D scores or one-row-at-a-time attention)", field="config.draft_model")
         return caches.specs
 
     @lifecycle
@@ -383,7 +384,7 @@ class MLXWorker:
         return {
             "type": c.get("model_type"), "num_layers": len(self.model.layers),  # type: ignore[union-attr]
             "hidden_size": c.get("hidden_size"), "num_attention_heads": c.get("num_attention_heads"),
-            "num_kv_heads": self.runner.specs[0].num_kv_heads if self.runner else None,
+            "num_kv_heads": next((s.num_kv_heads for s in self.runner.specs if s.kind != "state"), 0) if self.runner else None,
             "vocab_size": self._vocab_size(), "params": params, "weights_bytes": self.weights_bytes,
             "dtype": dtype_name(self._model_dtype()), "quantization": self.model_config.get("quantization"),
             "max_model_len": self.runner.max_model_len if self.runner else None,
