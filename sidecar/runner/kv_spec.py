@@ -103,10 +103,6 @@ class ModelCaches:
         return list(out.values())
 
 
-def layer_names(specs: Sequence[LayerSpec]) -> list[str]:
-    return [s.name for s in specs]
-
-
 def spec_wire(specs: Sequence[LayerSpec]) -> dict[str, dict]:
     return {s.name: s.to_wire() for s in specs}
 
