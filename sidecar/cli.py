@@ -21,6 +21,12 @@ _HELP = {
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
+    "tensor_parallel": "shard the model's heads over N ranks (mx.distributed; start every rank with mlx.launch)",
+    "pipeline_parallel": "split the model's layers over N ranks (mx.distributed; start every rank with mlx.launch)",
+    "distributed_backend": "mx.distributed backend: ring (TCP, default), jaccl (RDMA over Thunderbolt 5), mpi, any",
+    "exit_on_rank_failure": "exit non-zero when a rank is lost, so launchd/systemd restart the group (default on)",
+    "rank_timeout": "seconds a step's collectives may go unanswered before the rank counts as lost",
+    "heartbeat_interval": "seconds between liveness pings while the group is idle",
 }
 
 
@@ -76,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             print(f"mlx-sidecar: {e}", file=sys.stderr)
             return 2
+        if cfg.world_size > 1:
+            from sidecar.distributed.serve import serve_group
+
+            return serve_group(cfg)
         from sidecar.server.app import serve
 
         return serve(cfg)

@@ -92,6 +92,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     worker = worker or MLXWorker(config)
     metrics_ = Metrics(registry or CollectorRegistry(), lambda: sc.worker)
     sc = Sidecar(config, worker, metrics_, token if token is not None else load_token(config))
+    if hasattr(worker, "metrics_collector"):  # scale-out: per-rank gauges (sidecar/distributed)
+        metrics_.registry.register(worker.metrics_collector())
     sc.publish()  # before the MLX thread exists, this thread owns the worker
 
     @contextlib.asynccontextmanager
@@ -181,6 +183,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         body = {"ready": ready, "state": state.value, "healthy": w.healthy, "draining": sc.draining}
         if sc.preload_error:
             body["preload_error"] = sc.preload_error
+        if hasattr(w, "group_status"):  # scale-out: which rank is lost
+            body["group"] = w.group_status()
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def info(request: Request) -> Response:
@@ -334,7 +338,7 @@ async def _drain(sc: Sidecar) -> None:
         sc.clean_shutdown = False
 
 
-def serve(config: Config) -> int:
+def serve(config: Config, worker: MLXWorker | None = None) -> int:
     """Run until SIGTERM/SIGINT. Exit status: 0 after a clean shutdown, 1 when the shutdown
     timeout ran out (or a second SIGINT forced it), 2 for a configuration refused at start-up."""
     import uvicorn
@@ -353,7 +357,7 @@ def serve(config: Config) -> int:
         return 2
     if token is not None:
         add_secret(token)
-    app = create_app(config, token=token)
+    app = create_app(config, token=token, worker=worker)
     sc: Sidecar = app.state.sidecar
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                         timeout_graceful_shutdown=max(0.1, config.shutdown_timeout),  # type: ignore[arg-type]

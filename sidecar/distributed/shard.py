@@ -1,0 +1,169 @@
+"""What every rank of a group runs: the worker over its shard of the model.
+
+`GroupWorker` is MLXWorker with mlx-lm's own sharding applied after the load: tensor parallel
+(`model.shard(group)`: each rank holds its heads and MLP columns, the all-reduces are inside the
+model) or pipeline parallel (`model.model.pipeline(group)`: each rank holds a run of layers and the
+hidden state travels by send/recv, then an all_gather). Each rank's KV pool holds its share (TP:
+its KV heads, PP: its layers); the KV spec, block size and memory it reports describe the group as
+a whole, so a scheduler sizes the pool once.
+
+Only rank 0 samples (`LeaderSampler`); the others receive its tokens in the same collective
+(`FollowerSampler`) and apply them to their request state exactly as rank 0 does. Both evaluate the
+logits first, so the forward's collectives run in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from sidecar.config import Config
+from sidecar.distributed.group import Channel
+from sidecar.errors import ProtocolError
+from sidecar.runner.kv_cache import LayerSpec
+from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow
+from sidecar.worker import MLXWorker, State
+
+log = logging.getLogger("sidecar.distributed")
+
+
+class LeaderSampler:
+    def __init__(self, inner: Sampler, channel: Channel):
+        self.inner, self.channel = inner, channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampleResult:
+        mx.eval(logits)
+        res = self.inner.sample(logits, rows)
+        self.channel.share_tokens([int(t) for t in res.token_ids], len(rows))
+        return res
+
+
+class FollowerSampler:
+    def __init__(self, inner: Sampler, channel: Channel):
+        self.inner, self.channel = inner, channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampleResult:
+        mx.eval(logits)
+        tokens = self.channel.share_tokens(None, len(rows))
+        return SampleResult(tokens, None, None, None, [0] * len(rows))
+
+
+class GroupWorker(MLXWorker):
+    def __init__(self, config: Config, channel: Channel, **kwargs: Any):
+        super().__init__(config.replace(decode_ahead=False), **kwargs)  # the ahead forward would add collectives
+        self.channel = channel
+        self.rank, self.world_size = channel.rank, channel.size
+        self.global_specs: list[LayerSpec] = []
+        self.layer_range = (0, 0)
+        self._local_bytes = False
+
+    @property
+    def mode(self) -> str:
+        return "tensor" if self.config.tensor_parallel > 1 else "pipeline"
+
+    def load_model(self) -> None:
+        super().load_model()
+        try:
+            self._shard()
+        except ProtocolError:
+            self.runner = self.model = None
+            self.state = State.DEVICE_READY
+            raise
+
+    def _shard(self) -> None:
+        model, runner, n = self.model, self.runner, self.world_size
+        assert model is not None and runner is not None
+        c = self.model_config.get("text_config", self.model_config)
+        specs = list(runner.specs)
+        field = f"{self.mode}_parallel"
+        if self.mode == "tensor":
+            heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+            for name, count in (("attention heads", heads), ("KV heads", kv), ("MLP columns", c.get("intermediate_size", n))):
+                if count % n:
+                    raise ProtocolError(f"the model's {count} {name} do not split over {n} ranks", field=field)
+            if not hasattr(model, "shard"):
+                raise ProtocolError(f"mlx-lm's {c.get('model_type')} has no tensor parallelism (shard)", field=field)
+            model.shard(self.channel.group)
+            local = [_with_heads(s, s.num_kv_heads // n) for s in specs]
+            self.layer_range = (0, len(specs))
+        else:
+            inner = getattr(model, "model", None)
+            if not hasattr(inner, "pipeline"):
+                raise ProtocolError(f"mlx-lm's {c.get('model_type')} has no pipeline parallelism "
+                                    "(model.model.pipeline); try --tensor-parallel", field=field)
+            if len(specs) < n:
+                raise ProtocolError(f"{len(specs)} layers do not split over {n} ranks", field=field)
+            inner.pipeline(self.channel.group)
+            self.layer_range = (inner.start_idx, inner.end_idx)
+            local = specs[inner.start_idx : inner.end_idx]
+        mx.eval(model.parameters())
+        self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self.global_specs, runner.specs = specs, local
+        runner.decode_ahead = False
+        cls = LeaderSampler if self.channel.leader else FollowerSampler
+        runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]
+        log.info("rank %d/%d: %s parallel, layers %s, %d weight bytes", self.rank, n, self.mode,
+                 self.layer_range, self.weights_bytes)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        reload = self.model is None
+        super().wake_up(tags)
+        if reload and self.model is not None:  # the weights came back whole: shard them again
+            sampler = self.runner.sampler  # type: ignore[union-attr]
+            self._shard()
+            self.runner.sampler = sampler  # type: ignore[union-attr]
+
+    # --- the group as a whole ------------------------------------------------------------------
+
+    def local_block_bytes(self) -> int:
+        assert self.runner is not None
+        return sum(s.page_size_bytes for s in self.runner.specs)
+
+    def determine_available_memory(self) -> int:
+        """Blocks the smallest rank can hold, in bytes of a whole-group block."""
+        free = super().determine_available_memory()
+        blocks = self.channel.min(free // max(1, self.local_block_bytes()))
+        return blocks * sum(s.page_size_bytes for s in self.global_specs)
+
+    def get_kv_cache_spec(self) -> dict[str, dict]:
+        self.require("get_kv_cache_spec")
+        return {f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(self.global_specs)}
+
+    def get_cache_block_size_bytes(self) -> int:
+        self.require("get_cache_block_size_bytes")
+        return sum(s.page_size_bytes for s in (self.runner.specs if self._local_bytes else self.global_specs))  # type: ignore[union-attr]
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self._local_bytes = True  # each rank checks its own share of a block against its own memory
+        try:
+            super().initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        finally:
+            self._local_bytes = False
+
+    def get_model(self) -> dict:
+        out = super().get_model()
+        out["num_layers"] = len(self.global_specs)
+        out["num_kv_heads"] = self.global_specs[0].num_kv_heads if self.global_specs else None
+        out["parallel"] = {"mode": self.mode, "world_size": self.world_size,
+                           "tensor_parallel": self.config.tensor_parallel,
+                           "pipeline_parallel": self.config.pipeline_parallel}
+        return out
+
+    def add_lora(self, lora_request: dict) -> bool:
+        self.require("add_lora")
+        # mlx-lm shards base layers only: an adapter's full-size matrices do not fit a shard.
+        raise ProtocolError(f"LoRA adapters are not supported with --{self.mode}-parallel "
+                            "(mlx-lm does not shard adapters)", field="lora_request")
+
+
+def _with_heads(s: LayerSpec, heads: int) -> LayerSpec:
+    return LayerSpec(s.block_size, heads, s.head_size, s.head_size_v, s.dtype, s.sliding_window)
