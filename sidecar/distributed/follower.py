@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from sidecar.distributed.group import GroupLost, Watchdog, exit_soon
+from sidecar.distributed.group import GroupLost, Watchdog, exit_soon, is_group_error
 from sidecar.distributed.leader import deadline
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import SidecarError
@@ -39,11 +39,14 @@ def follow(worker: GroupWorker) -> int:
             if method == "__exit__":
                 log.info("rank %d: rank 0 asked the group to exit", ch.rank)
                 return 0
+            log.debug("rank %d: %s", ch.rank, method)
             with watchdog.watch(deadline(cfg, method), method):
                 try:
                     getattr(worker, method)(**msg.get("k", {}))
                 except SidecarError as e:
                     log.warning("rank %d: %s failed as on rank 0: %s", ch.rank, method, e)
-        except GroupLost as e:
+        except Exception as e:
+            if not is_group_error(e):
+                raise
             log.error("rank %d: the group failed (%s); exiting", ch.rank, e)
             return 1

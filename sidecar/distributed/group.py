@@ -139,6 +139,14 @@ class Channel:
         return int(out.item())
 
 
+_BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]", "peer")
+
+
+def is_group_error(e: BaseException) -> bool:
+    """A failed collective, raised by MLX from inside any eval (a model's own all_sum or send)."""
+    return isinstance(e, GroupLost) or (isinstance(e, RuntimeError) and any(k in str(e) for k in _BACKEND_ERRORS))
+
+
 def lost_ranks(size: int) -> list[int]:
     """Who a failed collective lost. A ring collective cannot tell which peer stopped; with two
     ranks it is rank 1, with more every follower is suspect until the group restarts."""

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sidecar.config import Config
-from sidecar.distributed.group import Channel, GroupLost, Watchdog, exit_soon, lost_ranks
+from sidecar.distributed.group import Channel, GroupLost, Watchdog, exit_soon, is_group_error, lost_ranks
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
 from sidecar.runner.requests import plan_step
@@ -81,9 +81,12 @@ class LeaderWorker(GroupWorker):
                     self.channel.send({"m": name, "k": kw})
                     try:
                         return run()
-                    except (SidecarError, GroupLost):
+                    except SidecarError:
                         raise
-                    except Exception as e:  # the others ran it: their state may now differ from ours
+                    except Exception as e:
+                        if is_group_error(e):
+                            raise GroupLost(str(e)) from e
+                        # The others ran it: their state may now differ from ours.
                         self._lose(f"rank 0 failed {name} after sending it ({type(e).__name__}: {e})")
                         raise
             except GroupLost as e:

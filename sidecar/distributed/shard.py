@@ -109,6 +109,7 @@ class GroupWorker(MLXWorker):
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         self.global_specs, runner.specs = specs, local
         runner.decode_ahead = False
+        _forward_one_at_a_time(runner)
         cls = LeaderSampler if self.channel.leader else FollowerSampler
         runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]
         log.info("rank %d/%d: %s parallel, layers %s, %d weight bytes", self.rank, n, self.mode,
@@ -163,6 +164,19 @@ class GroupWorker(MLXWorker):
         # mlx-lm shards base layers only: an adapter's full-size matrices do not fit a shard.
         raise ProtocolError(f"LoRA adapters are not supported with --{self.mode}-parallel "
                             "(mlx-lm does not shard adapters)", field="lora_request")
+
+
+def _forward_one_at_a_time(runner: Any) -> None:
+    """Evaluate each padded batch of a step before building the next. Under pipeline parallelism
+    the ranks' graphs differ (one stage receives where another sends), so two batches left lazy
+    together may run their send/recv/all_gather in a different order on each rank: a deadlock."""
+    forward = runner._forward
+
+    def one_at_a_time(rows: list, where: list[int], last: list, *args: Any, **kwargs: Any) -> None:
+        forward(rows, where, last, *args, **kwargs)
+        mx.eval([last[w] for w in where])
+
+    runner._forward = one_at_a_time
 
 
 def _with_heads(s: LayerSpec, heads: int) -> LayerSpec:

@@ -62,7 +62,7 @@ def start_group(*flags: str, ranks: int = 2, ready: bool | None = None, timeout:
     followers = []
     for r in range(1, ranks):
         with open(workdir / f"rank{r}.log", "wb") as log:
-            followers.append(subprocess.Popen([sys.executable, "-m", "sidecar", "serve", *flags, "--log-level", "info"],
+            followers.append(subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--log-level", "info", *flags],
                                               cwd=ROOT, env={**env, "MLX_RANK": str(r)}, stdin=subprocess.DEVNULL,
                                               stdout=log, stderr=log))
     try:
