@@ -55,6 +55,7 @@ class LeaderWorker(GroupWorker):
         self._lock = threading.Lock()  # one call or ping on the group at a time, in rank 0's order
         self._depth = 0  # nested worker calls (initialize_from_config -> initialize_cache) are not re-sent
         self._closed = False
+        self._thread: Any = None  # the server's MLXThread, to answer a call stuck on a lost rank
         self.watchdog = Watchdog(lambda s, what: self._lose(f"no answer to {what} within {s:.1f}s"))
         threading.Thread(target=self._heartbeat, name="sidecar-heartbeat", daemon=True).start()
 
@@ -68,7 +69,7 @@ class LeaderWorker(GroupWorker):
         if self.lost is not None:
             if name == "shutdown":
                 return base(self, **kw)  # free this rank; the others are gone or stuck
-            raise Unavailable(f"group lost: {self.lost}; restart every rank", retry_after=5)
+            raise Unavailable(self.unavailable or "", retry_after=5)
         with self._lock:
             self._depth += 1
             try:
@@ -91,7 +92,7 @@ class LeaderWorker(GroupWorker):
                         raise
             except GroupLost as e:
                 self._lose(f"{name}: {e}")
-                raise Unavailable(f"group lost: {self.lost}; restart every rank", retry_after=5) from None
+                raise Unavailable(self.unavailable or str(e), retry_after=5) from None
             finally:
                 self._depth -= 1
 
@@ -140,9 +141,14 @@ class LeaderWorker(GroupWorker):
         self.lost = f"rank {names} lost ({reason})"
         self.healthy = False
         log.error("%s", self.lost)
+        if self._thread is not None:  # a call stuck in a collective would otherwise never answer
+            self._thread.fail_running(Unavailable(self.unavailable or self.lost, retry_after=5))
         if self.config.exit_on_rank_failure:
             log.error("exiting (exit_on_rank_failure): the service manager restarts the group")
             exit_soon(1, 1.0)
+
+    def attach_thread(self, thread: Any) -> None:
+        self._thread = thread
 
     def close(self) -> None:
         """Tell the other ranks to exit (after the server drained)."""
@@ -155,6 +161,11 @@ class LeaderWorker(GroupWorker):
         self._closed = True
 
     # --- what probes and metrics read -------------------------------------------------------------
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why every RPC is refused now (the server checks it before queueing a call)."""
+        return f"group lost: {self.lost}; restart every rank" if self.lost else None
 
     def group_status(self) -> dict:
         return {"world_size": self.world_size, "mode": self.mode, "lost": self.lost,

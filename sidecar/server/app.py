@@ -100,6 +100,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sc.loop = asyncio.get_running_loop()
         sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
+        if hasattr(worker, "attach_thread"):  # scale-out: a lost rank answers the call stuck on it
+            worker.attach_thread(sc.thread)
         if config.preload:
             sc.thread.submit(lambda: _preload(sc))
         try:
@@ -126,6 +128,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 raise MethodNotAllowed(f"{request.method} is not allowed; RPCs are POST /rpc/{method}")
             if sc.draining or sc.thread is None:
                 raise Unavailable("the worker is shutting down", retry_after=5)
+            if getattr(sc.worker, "unavailable", None):  # scale-out: a lost rank; do not queue behind a stuck collective
+                raise Unavailable(sc.worker.unavailable, retry_after=5)  # type: ignore[attr-defined]
             if in_type and in_type not in MSGPACK_TYPES and in_type != JSON_TYPE:
                 raise UnsupportedMediaType(f"content type {in_type[:64]!r} is not msgpack or JSON")
             body = await _read_body(request, config.max_body_bytes)
