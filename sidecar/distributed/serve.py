@@ -24,7 +24,12 @@ def serve_group(config: Config) -> int:
     except ValueError as e:
         print(f"mlx-sidecar: {e}", file=sys.stderr)
         return 2
-    group = init_group(config.distributed_backend)
+    try:
+        group = init_group(config.distributed_backend)
+    except RuntimeError as e:  # no MLX_RANK/MLX_HOSTFILE, a peer unreachable, an unknown backend
+        log.error("mx.distributed.init(%s) failed: %s (start every rank with mlx.launch, or set MLX_RANK "
+                  "and MLX_HOSTFILE; see README 'Scale-out')", config.distributed_backend, e)
+        return 2
     if group.size() != config.world_size:
         log.error("the group has %d ranks, --tensor-parallel x --pipeline-parallel asks for %d "
                   "(start one process per rank: mlx.launch, or MLX_RANK + MLX_HOSTFILE)", group.size(), config.world_size)

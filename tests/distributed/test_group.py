@@ -19,6 +19,8 @@ from sidecar.client import RemoteError, RemoteWorker
 from tests.distributed.groupproc import Group, start_group
 from tests.driver import Driver
 
+pytestmark = pytest.mark.distributed
+
 FLAGS = ("--tensor-parallel", "2", "--preload", "--max-model-len", "256", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "64")
 

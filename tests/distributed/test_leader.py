@@ -15,6 +15,8 @@ from tests.conftest import mlx_lm_greedy
 from tests.distributed.groupproc import Group, start_group
 from tests.driver import Driver
 
+pytestmark = pytest.mark.distributed
+
 BS, BLOCKS, STEPS = 16, 128, 10
 MODES = {"tensor": "builtin:tiny", "pipeline": "builtin:tiny-qwen2"}
 FLAGS = ("--preload", "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64")
