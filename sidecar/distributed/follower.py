@@ -1,5 +1,8 @@
 """Ranks 1..N-1: no HTTP; receive rank 0's calls over the group and run each in lockstep.
 
+When rank 0 stops (even cleanly) a follower exits 75 (EX_TEMPFAIL), never 0: the service
+manager restarts it, and it waits in mx.distributed.init for rank 0 to form the group again.
+
 A follower only ever sees calls rank 0 validated (or ran) first, so it runs them as sent; an error
 here is the same one rank 0 met (both ran a FIRST call), logged and passed over. Losing rank 0
 (a failed collective, or no message within rank_timeout plus two heartbeats) exits non-zero, so the
@@ -18,8 +21,11 @@ from sidecar.errors import SidecarError
 log = logging.getLogger("sidecar.distributed")
 
 
+REJOIN = 75  # rank 0 stopped: restart to rejoin (launchd KeepAlive / systemd Restart=on-failure)
+
+
 def follow(worker: GroupWorker) -> int:
-    """Serve rank 0 until it says exit (0) or is lost (1)."""
+    """Serve rank 0 until it stops (REJOIN) or is lost (1)."""
     ch, cfg = worker.channel, worker.config
     idle = cfg.rank_timeout + 2 * cfg.heartbeat_interval
 
@@ -37,8 +43,8 @@ def follow(worker: GroupWorker) -> int:
             if method == "__ping__":
                 continue
             if method == "__exit__":
-                log.info("rank %d: rank 0 asked the group to exit", ch.rank)
-                return 0
+                log.info("rank %d: rank 0 stopped; exiting %d so the service manager restarts this rank", ch.rank, REJOIN)
+                return REJOIN
             log.debug("rank %d: %s", ch.rank, method)
             with watchdog.watch(deadline(cfg, method), method):
                 try:
