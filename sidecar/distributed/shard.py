@@ -72,6 +72,7 @@ class GroupWorker(MLXWorker):
 
     def load_model(self) -> None:
         super().load_model()
+        self.global_specs = []  # a new model (init_device may have changed it): specs from its config
         try:
             self._shard()
         except ProtocolError:
@@ -80,10 +81,20 @@ class GroupWorker(MLXWorker):
             raise
 
     def _shard(self) -> None:
+        self._shard_model()
+        runner = self.runner
+        assert runner is not None
+        runner.decode_ahead = False
+        _forward_one_at_a_time(runner)
+        cls = LeaderSampler if self.channel.leader else FollowerSampler
+        runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]
+
+    def _shard_model(self) -> None:
+        """Shard the (whole) loaded model in place; the runner's specs become this rank's share."""
         model, runner, n = self.model, self.runner, self.world_size
         assert model is not None and runner is not None
         c = self.model_config.get("text_config", self.model_config)
-        specs = list(runner.specs)
+        specs = self.global_specs or list(runner.specs)
         field = f"{self.mode}_parallel"
         if self.mode == "tensor":
             heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
@@ -108,10 +119,6 @@ class GroupWorker(MLXWorker):
         mx.eval(model.parameters())
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         self.global_specs, runner.specs = specs, local
-        runner.decode_ahead = False
-        _forward_one_at_a_time(runner)
-        cls = LeaderSampler if self.channel.leader else FollowerSampler
-        runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]
         log.info("rank %d/%d: %s parallel, layers %s, %d weight bytes", self.rank, n, self.mode,
                  self.layer_range, self.weights_bytes)
 
@@ -119,9 +126,7 @@ class GroupWorker(MLXWorker):
         reload = self.model is None
         super().wake_up(tags)
         if reload and self.model is not None:  # the weights came back whole: shard them again
-            sampler = self.runner.sampler  # type: ignore[union-attr]
-            self._shard()
-            self.runner.sampler = sampler  # type: ignore[union-attr]
+            self._shard_model()
 
     # --- the group as a whole ------------------------------------------------------------------
 

@@ -136,3 +136,20 @@ def test_rejected_step_never_reaches_rank_1(group: Group, remote: RemoteWorker, 
     remote.check_health()  # a collective: rank 1 has taken every earlier message once it returns
     assert _follower_calls(group, "execute_model") - steps == calls["n"]  # rank 1 ran exactly the valid steps
     assert _follower_calls(group, "initialize_cache") == inits
+
+
+def test_sleep_and_wake_reshards_and_keeps_exact_tokens(group: Group, remote: RemoteWorker, reference: dict) -> None:
+    remote.call("sleep", level=2)  # frees the weights on every rank; wake_up reloads and shards again
+    assert httpx.get(f"{group.leader.url}/readyz").status_code == 503
+    remote.call("wake_up")
+    assert remote.get_kv_cache_spec() and httpx.get(f"{group.leader.url}/readyz").status_code == 200
+    tokens, _ = workload(lambda so: remote.call("execute_model", scheduler_output=so))
+    assert tokens == reference[group.model][0]
+
+
+def test_group_refuses_lora_and_group_changes(group: Group, remote: RemoteWorker) -> None:
+    r = httpx.post(f"{group.leader.url}/rpc/add_lora", json={"lora_request": {"lora_int_id": 1, "lora_path": "a"}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "lora_request"
+    r = httpx.post(f"{group.leader.url}/rpc/init_device", json={"config": {"tensor_parallel": 4}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "config.tensor_parallel"
+    assert remote.check_health() is None  # the group is still whole
