@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", default="bench-results/bench.json")
     bench.add_argument("--plot", dest="plot_path", default="bench-results/throughput.png")
     bench.add_argument("--home", default=None)
+    bench.add_argument("--scale-out", action="store_true",
+                       help="only the scale-out scenario: 1 rank vs TP=2 / PP=2 over loopback")
     return parser
 
 
@@ -93,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sidecar.scheduler.generate import generate_cli
 
         return generate_cli(args)
+    if args.scale_out:
+        from sidecar.bench.group import group_bench_cli
+
+        return group_bench_cli(args.home, args.quick, args.json_path)
     from sidecar.bench import bench_cli
 
     return bench_cli(args)
