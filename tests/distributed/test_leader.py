@@ -5,6 +5,7 @@ prefill, a prefix hit and a preemption; a rejected call never reaches rank 1."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import httpx
 import msgpack
@@ -107,6 +108,9 @@ def test_group_describes_the_whole_model(group: Group, remote: RemoteWorker, mak
     text = httpx.get(f"{group.leader.url}/metrics").text
     assert 'mlx_worker_rank_up{rank="1"} 1.0' in text and "mlx_worker_group_size 2.0" in text
     assert re.search(r"^mlx_worker_healthy 1\.0$", text, re.M)
+    alerts = (Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml").read_text()
+    for name in ("mlx_worker_rank_up", "mlx_worker_group_size"):  # what the lost-rank alerts query
+        assert name in alerts and re.search(rf"^{name}[{{ ]", text, re.M), name
 
 
 def _follower_calls(group: Group, method: str) -> int:
