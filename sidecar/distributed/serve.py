@@ -3,20 +3,52 @@
 Started on every host by `mlx.launch` (or with MLX_RANK and MLX_HOSTFILE set by hand, as the
 launchd/systemd files do). All ranks join the group first; rank 0 then serves HTTP as a normal
 sidecar whose worker leads the group, the others follow it.
+
+In-process (a scheduler that builds its worker itself, vLLM-style): `build_worker(config,
+rank=r, distributed_init_method="ring://<hostfile>")` joins the group from the constructor's
+arguments instead of the environment; rank 0 gets the LeaderWorker to drive, every other rank
+runs `follow(worker)` until rank 0 stops.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from sidecar.config import Config
 
 log = logging.getLogger("sidecar.distributed")
 
 
-def serve_group(config: Config) -> int:
+class GroupError(RuntimeError):
+    """The group could not be formed as configured (the message says how to start it)."""
+
+
+def build_worker(config: Config, *, rank: int | None = None, distributed_init_method: str = "") -> Any:
+    """Join the group and return this rank's worker: a LeaderWorker on rank 0, else a GroupWorker
+    for `follow`. Rank and hostfile from the arguments, or the environment mlx.launch sets."""
     from sidecar.distributed.group import Channel, init_group
+
+    try:
+        group = init_group(config.distributed_backend, rank, distributed_init_method)
+    except RuntimeError as e:  # no MLX_RANK/MLX_HOSTFILE, a peer unreachable, an unknown backend
+        raise GroupError(f"mx.distributed.init({config.distributed_backend}) failed: {e} (start every rank with "
+                         "mlx.launch, or set MLX_RANK and MLX_HOSTFILE; see README 'Scale-out')") from None
+    if group.size() != config.world_size:
+        raise GroupError(f"the group has {group.size()} ranks, --tensor-parallel x --pipeline-parallel asks for "
+                         f"{config.world_size} (start one process per rank: mlx.launch, or MLX_RANK + MLX_HOSTFILE)")
+    channel = Channel(group)
+    if channel.rank != 0:
+        from sidecar.distributed.shard import GroupWorker
+
+        return GroupWorker(config, channel)
+    from sidecar.distributed.leader import LeaderWorker
+
+    return LeaderWorker(config, channel)
+
+
+def serve_group(config: Config) -> int:
     from sidecar.server.logs import configure_logging
 
     try:
@@ -25,25 +57,16 @@ def serve_group(config: Config) -> int:
         print(f"mlx-sidecar: {e}", file=sys.stderr)
         return 2
     try:
-        group = init_group(config.distributed_backend)
-    except RuntimeError as e:  # no MLX_RANK/MLX_HOSTFILE, a peer unreachable, an unknown backend
-        log.error("mx.distributed.init(%s) failed: %s (start every rank with mlx.launch, or set MLX_RANK "
-                  "and MLX_HOSTFILE; see README 'Scale-out')", config.distributed_backend, e)
+        worker = build_worker(config)
+    except GroupError as e:
+        log.error("%s", e)
         return 2
-    if group.size() != config.world_size:
-        log.error("the group has %d ranks, --tensor-parallel x --pipeline-parallel asks for %d "
-                  "(start one process per rank: mlx.launch, or MLX_RANK + MLX_HOSTFILE)", group.size(), config.world_size)
-        return 2
-    channel = Channel(group)
-    if channel.rank != 0:
+    if worker.rank != 0:
         from sidecar.distributed.follower import follow
-        from sidecar.distributed.shard import GroupWorker
 
-        return follow(GroupWorker(config, channel))
-    from sidecar.distributed.leader import LeaderWorker
+        return follow(worker)
     from sidecar.server.app import serve
 
-    worker = LeaderWorker(config, channel)
     try:
         return serve(config, worker=worker)
     finally:

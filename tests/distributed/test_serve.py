@@ -66,3 +66,45 @@ def test_one_mlx_launch_command_serves_one_model(home: str, make_worker, tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
+
+
+IN_PROCESS = """
+import json, sys
+from sidecar.config import Config
+from sidecar.distributed.follower import follow
+from sidecar.distributed.serve import build_worker
+from tests.distributed.test_serve import run
+
+rank, hosts, home = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+w = build_worker(Config(model="builtin:tiny", home=home, tensor_parallel=2, max_model_len=256),
+                 rank=rank, distributed_init_method="ring://" + hosts)
+if rank:
+    sys.exit(follow(w))
+w.init_device(); w.load_model(); w.initialize_cache(64, 0)
+print(json.dumps(run(w.execute_model)))
+w.close()
+"""
+
+
+def test_in_process_group_from_constructor_arguments(home: str, make_worker, tmp_path: Path) -> None:
+    """A worker built in-process joins the group from rank + distributed_init_method, no environment."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(f'[["127.0.0.1:{free_port()}"], ["127.0.0.1:{free_port()}"]]')
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
+    env["PYTHONPATH"] = str(ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", IN_PROCESS, str(r), str(hosts), home], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=90)
+        assert procs[0].returncode == 0, err
+        _, err1 = procs[1].communicate(timeout=30)
+        assert procs[1].returncode == 75, err1  # rank 0 stopped: the follower asks to be restarted
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    w = make_worker("builtin:tiny", 64, max_model_len=256)
+    import json
+
+    assert json.loads(out.strip().splitlines()[-1]) == run(w.execute_model)
