@@ -96,6 +96,10 @@ def test_group_describes_the_whole_model(group: Group, remote: RemoteWorker, mak
     single = make_worker(group.model, 8, max_model_len=256)
     assert remote.get_kv_cache_spec() == single.get_kv_cache_spec()  # every layer, every KV head
     assert remote.get_cache_block_size_bytes() == single.get_cache_block_size_bytes()
+    info = httpx.get(f"{group.leader.url}/info").json()
+    assert info["kv_cache_spec"] == single.get_kv_cache_spec()
+    text0 = httpx.get(f"{group.leader.url}/metrics").text
+    assert f"mlx_worker_kv_cache_block_size_bytes {float(single.get_cache_block_size_bytes())}" in text0
     model = remote.get_model()
     assert model["num_layers"] == 2 and model["num_kv_heads"] == 2
     assert model["parallel"] == {"mode": group.mode, "world_size": 2, "tensor_parallel": 2 if group.mode == "tensor" else 1,
