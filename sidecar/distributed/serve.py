@@ -13,6 +13,7 @@ runs `follow(worker)` until rank 0 stops.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -48,6 +49,21 @@ def build_worker(config: Config, *, rank: int | None = None, distributed_init_me
     return LeaderWorker(config, channel)
 
 
+def _probes_while_forming(config: Config) -> Any:
+    """On rank 0 (as MLX_RANK says) over TCP: the stand-in server while mx.distributed.init waits."""
+    if os.environ.get("MLX_RANK") != "0" or config.uds:
+        return None
+    from sidecar.distributed.forming import FormingServer
+    from sidecar.errors import StartupError
+    from sidecar.server.auth import check_bind, load_token
+
+    try:
+        check_bind(config, load_token(config))  # refused binds are the real server's to report
+    except StartupError:
+        return None
+    return FormingServer(config).start()
+
+
 def serve_group(config: Config) -> int:
     from sidecar.server.logs import configure_logging
 
@@ -56,11 +72,15 @@ def serve_group(config: Config) -> int:
     except ValueError as e:
         print(f"mlx-sidecar: {e}", file=sys.stderr)
         return 2
+    forming = _probes_while_forming(config)
     try:
         worker = build_worker(config)
     except GroupError as e:
         log.error("%s", e)
         return 2
+    finally:
+        if forming is not None:
+            forming.stop()  # before the real server binds the port
     if worker.rank != 0:
         from sidecar.distributed.follower import follow
 

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -121,3 +122,46 @@ def test_follower_exits_nonzero_when_rank_0_dies(home: str) -> None:
             pytest.fail("rank 1 still running 10 s after rank 0 died")
         assert code != 0
         assert "rank 0 lost" in g.follower_log() or "group failed" in g.follower_log()
+
+
+def test_rank_0_alone_answers_probes_until_rank_1_joins(home: str, tmp_path) -> None:
+    """After a restart rank 0 waits in mx.distributed.init for the others: its port still answers,
+    unhealthy, naming the rank not yet there; once rank 1 starts the group serves."""
+    from tests.distributed.groupproc import hostfile
+    from tests.server.serverproc import ROOT, start_server
+
+    hosts = hostfile(2, tmp_path)
+    leader = start_server(*FLAGS, env={"MLX_HOSTFILE": str(hosts), "MLX_RANK": "0"}, ready=False)
+    follower = None
+    try:
+        r = httpx.get(f"{leader.url}/readyz", timeout=5)
+        assert r.status_code == 503 and r.json()["state"] == "forming"
+        assert r.json()["group"]["ranks"] == {"0": True, "1": False}
+        text = httpx.get(f"{leader.url}/metrics", timeout=5).text
+        assert 'mlx_worker_rank_up{rank="1"} 0.0' in text and re.search(r"^mlx_worker_healthy 0\.0$", text, re.M)
+        rpc = httpx.post(f"{leader.url}/rpc/check_health", json={}, timeout=5)
+        assert rpc.status_code == 503 and "waiting" in rpc.json()["error"]["message"]
+        follower = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", *FLAGS], cwd=ROOT,
+                                    env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": "1",
+                                         "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while readyz_status(leader.url) != 200:
+            assert time.monotonic() < deadline and leader.returncode is None, leader.stderr()[-2000:]
+            time.sleep(0.2)
+        body = httpx.get(f"{leader.url}/readyz", timeout=5).json()
+        assert body["group"]["ranks"] == {"0": True, "1": True} and body["state"] == "ready"
+    finally:
+        leader.stop(timeout=20)
+        if follower is not None:
+            try:
+                follower.wait(20)
+            except subprocess.TimeoutExpired:
+                follower.kill()
+                follower.wait(10)
+
+
+def readyz_status(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
