@@ -109,7 +109,7 @@ class LeaderWorker(GroupWorker):
             return lambda: runner.execute_model(out)
         if name == "wake_up":
             tags = kw.get("tags")
-            if tags is not None and (not isinstance(tags, list) or set(tags) - {"weights", "kv_cache"}):
+            if tags is not None and (not isinstance(tags, list) or any(t not in ("weights", "kv_cache") for t in tags)):
                 raise ProtocolError(f"tags must be null or a list of weights, kv_cache; got {tags!r}", field="tags")
         return lambda: base(self, **kw)
 

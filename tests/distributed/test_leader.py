@@ -149,6 +149,9 @@ def test_rejected_step_never_reaches_rank_1(group: Group, remote: RemoteWorker, 
 def test_sleep_and_wake_reshards_and_keeps_exact_tokens(group: Group, remote: RemoteWorker, reference: dict) -> None:
     remote.call("sleep", level=2)  # frees the weights on every rank; wake_up reloads and shards again
     assert httpx.get(f"{group.leader.url}/readyz").status_code == 503
+    for tags in (["weights", ["x"]], "kv_cache", ["gpu"]):  # rejected on rank 0, rank 1 still asleep
+        r = httpx.post(f"{group.leader.url}/rpc/wake_up", json={"tags": tags}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["field"] == "tags", r.text
     remote.call("wake_up")
     assert remote.get_kv_cache_spec() and httpx.get(f"{group.leader.url}/readyz").status_code == 200
     tokens, _ = workload(lambda so: remote.call("execute_model", scheduler_output=so))
