@@ -94,6 +94,7 @@ def _gpu_available() -> bool:
 
 
 class MLXWorker:
+    lazy_load = False  # scale-out (sidecar/distributed) loads lazily and materialises only its shard
     def __init__(self, vllm_config: Config | dict | None = None, local_rank: int = 0, rank: int = 0,
                  distributed_init_method: str = "", is_driver_worker: bool = False):
         if isinstance(vllm_config, dict):
@@ -159,7 +160,7 @@ class MLXWorker:
         from sidecar.models import resolve_model
 
         path = resolve_model(self.config.model, self.config.home)
-        model, config = load_model(path)
+        model, config = load_model(path, lazy=self.lazy_load)
         self.model, self.model_config, self.model_path = model, config, path
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         cap = self.config.max_model_len or min(int(config.get("max_position_embeddings") or 4096), 32768)
@@ -385,7 +386,7 @@ class MLXWorker:
         if "weights" in wanted & self._asleep:
             from mlx_lm.utils import load_model
 
-            model, _ = load_model(self.model_path)  # type: ignore[arg-type]
+            model, _ = load_model(self.model_path, lazy=self.lazy_load)  # type: ignore[arg-type]
             self.model = model
             self.runner.set_model(model)
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -58,6 +58,10 @@ class FollowerSampler:
 
 
 class GroupWorker(MLXWorker):
+    # The weights stay lazy through the load and are read after shard()/pipeline(): a rank holds
+    # its share, never the whole model (as mlx-lm's sharded_load).
+    lazy_load = True
+
     def __init__(self, config: Config, channel: Channel, **kwargs: Any):
         super().__init__(config.replace(decode_ahead=False), **kwargs)  # the ahead forward would add collectives
         self.channel = channel
