@@ -41,7 +41,23 @@ def test_scale_out_settings_validate() -> None:
     assert (cfg.world_size, cfg.exit_on_rank_failure, cfg.rank_timeout) == (2, False, 5.0)
     for bad, key in [({"tensor_parallel": 0}, "tensor_parallel"), ({"tensor_parallel": 2, "pipeline_parallel": 2}, "pipeline_parallel"),
                      ({"distributed_backend": "tcp"}, "distributed_backend"), ({"rank_timeout": 0}, "rank_timeout"),
-                     ({"heartbeat_interval": -1.0}, "heartbeat_interval")]:
+                     ({"heartbeat_interval": -1.0}, "heartbeat_interval"),
+                     ({"tensor_parallel": 2, "speculative_method": "ngram"}, "speculative_method")]:
         with pytest.raises(ConfigError) as e:
             Config().replace(**bad)
         assert e.value.key == key
+def test_init_device_overrides_are_an_allow_list() -> None:
+    from sidecar.config import RUNTIME_OVERRIDES
+
+    base = Config()
+    assert base.override({"block_size": 32, "max_model_len": None, "model": "builtin:tiny-qwen3"}).block_size == 32
+    assert base.override({"max_model_len": None}).max_model_len == base.max_model_len  # null keeps the setting
+    for key, value in [("lora_dir", "/"), ("model", "/models/x"), ("home", "/"), ("auth_token_file", "/t"),
+                       ("uds", "/s"), ("max_body_bytes", 1), ("max_live_requests", 1), ("host", "0.0.0.0")]:
+        with pytest.raises(ConfigError) as e:
+            base.override({key: value})
+        assert e.value.key == key and "cannot be set by init_device" in str(e.value)
+    assert not RUNTIME_OVERRIDES & {"lora_dir", "home", "auth_token", "auth_token_file", "uds", "max_body_bytes",
+                                    "host", "port", "allow_insecure", "protect_metrics", "max_req_id_len"}
+    with pytest.raises(ConfigError, match="must be integer, got float 2.0"):
+        base.override({"block_size": 2.0})

@@ -29,6 +29,7 @@ from sidecar.config import Config
 from sidecar.distributed.group import Channel, GroupLost, Watchdog, exit_soon, is_group_error, lost_ranks
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
+from sidecar.limits import Limits, check_step_shape
 from sidecar.runner.requests import plan_step
 from sidecar.worker import ALLOWED
 
@@ -103,7 +104,12 @@ class LeaderWorker(GroupWorker):
         if name == "execute_model":
             runner = self.runner
             assert runner is not None and runner.pool is not None
+            check_step_shape(kw["scheduler_output"], runner.requests, Limits.of(self.config, runner.max_model_len,
+                                                                               runner.vocab_size))
             out = runner.decode(kw["scheduler_output"])
+            if out.scheduled_spec_decode_tokens:  # verifying drafts samples inside the verify step
+                raise ProtocolError(f"draft tokens are not supported with --{self.mode}-parallel",
+                                    field="scheduled_spec_decode_tokens")
             plan_step(runner.requests, out, num_blocks=runner.pool.num_blocks, block_size=runner.pool.block_size,
                       vocab_size=runner.vocab_size, max_model_len=runner.max_model_len, loras=runner.lora.adapters.keys())
             return lambda: runner.execute_model(out)

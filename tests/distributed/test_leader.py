@@ -163,4 +163,9 @@ def test_group_refuses_lora_and_group_changes(group: Group, remote: RemoteWorker
     assert r.status_code == 400 and r.json()["error"]["field"] == "lora_request"
     r = httpx.post(f"{group.leader.url}/rpc/init_device", json={"config": {"tensor_parallel": 4}}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["field"] == "config.tensor_parallel"
+    step = {"scheduled_new_reqs": [{"req_id": "d", "prompt_token_ids": [5, 6, 7], "sampling_params": {},
+                                    "block_ids": [[0]], "num_computed_tokens": 0}],
+            "num_scheduled_tokens": {"d": 3}, "total_num_scheduled_tokens": 3, "scheduled_spec_decode_tokens": {"d": [9]}}
+    r = httpx.post(f"{group.leader.url}/rpc/execute_model", json={"scheduler_output": step}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "scheduled_spec_decode_tokens", r.text
     assert remote.check_health() is None  # the group is still whole
