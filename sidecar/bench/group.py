@@ -47,6 +47,17 @@ def _counters(side: SidecarSide) -> dict[str, float]:
     return {m.group(1).decode(): float(m.group(2)) for m in _METRIC.finditer(data)}
 
 
+def _readyz_state(port: int) -> str | None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/readyz")
+        return json.loads(conn.getresponse().read()).get("state")
+    except (OSError, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
 class _Group:
     """Rank 0 as a ServerProcess (HTTP), rank 1 as a plain process, joined by a loopback hostfile."""
 
@@ -63,13 +74,19 @@ class _Group:
         saved = {k: os.environ.get(k) for k in ("MLX_HOSTFILE", "MLX_RANK")}
         os.environ.update(MLX_HOSTFILE=str(self.hosts), MLX_RANK="0")  # ServerProcess passes its environment on
         try:
-            return self.leader.start()
+            server = self.leader.start()
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        deadline = time.monotonic() + 120
+        while _readyz_state(server.port) in (None, "forming"):  # /healthz answers while the group forms
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the group did not form within 120 s:\n{server.log_tail()}")
+            time.sleep(0.1)
+        return server
 
     def stop(self) -> None:
         self.leader.stop()
@@ -105,10 +122,10 @@ def run_config(model: str, flags: dict[str, Any], home: str | None, workdir: Pat
             "tokens": list(result.tokens.values())}
 
 
-def run_group_bench(home: str | None = None, *, quick: bool = False,
+def run_group_bench(home: str | None = None, *, quick: bool = False, configs: list | None = None,
                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = log or (lambda s: print(s, file=sys.stderr))
-    configs = CONFIGS[:4] if quick else CONFIGS
+    configs = configs or (CONFIGS[:4] if quick else CONFIGS)
     n, plen, new = (4, 32, 16) if quick else (8, 64, 32)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sidecar-bench-group-") as tmp:

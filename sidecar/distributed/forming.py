@@ -21,6 +21,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import msgpack
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -50,7 +51,8 @@ def _handler(size: int, protect_metrics: bool) -> type[BaseHTTPRequestHandler]:
     ready = json.dumps({"ready": False, "state": "forming", "healthy": False, "draining": False,
                         "group": {"world_size": size, "lost": waiting,
                                   "ranks": {str(r): r == 0 for r in range(size)}}}).encode()
-    error = json.dumps({"error": {"type": "unavailable", "message": waiting, "field": None}}).encode()
+    envelope = {"error": {"type": "unavailable", "message": waiting, "field": None}}
+    error, error_msgpack = json.dumps(envelope).encode(), msgpack.packb(envelope)
     metrics = None if protect_metrics else _metrics(size)
 
     class Handler(BaseHTTPRequestHandler):
@@ -72,7 +74,12 @@ def _handler(size: int, protect_metrics: bool) -> type[BaseHTTPRequestHandler]:
                 self._send(503, ready if self.path == "/readyz" else error)
 
         def do_POST(self) -> None:  # noqa: N802
-            self._send(503, error)
+            # The reply in the request's format, as the real server answers (RemoteWorker sends msgpack).
+            kinds = (self.headers.get("accept", "") + self.headers.get("content-type", "")).lower()
+            if "msgpack" in kinds:
+                self._send(503, error_msgpack, "application/msgpack")
+            else:
+                self._send(503, error)
 
         def log_message(self, format: str, *args: object) -> None:  # quiet, as the real server
             pass

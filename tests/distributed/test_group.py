@@ -141,6 +141,13 @@ def test_rank_0_alone_answers_probes_until_rank_1_joins(home: str, tmp_path) -> 
         assert 'mlx_worker_rank_up{rank="1"} 0.0' in text and re.search(r"^mlx_worker_healthy 0\.0$", text, re.M)
         rpc = httpx.post(f"{leader.url}/rpc/check_health", json={}, timeout=5)
         assert rpc.status_code == 503 and "waiting" in rpc.json()["error"]["message"]
+        client = RemoteWorker(leader.url)
+        try:
+            with pytest.raises(RemoteError) as e:  # msgpack in, msgpack out, as the real server
+                client.check_health()
+        finally:
+            client.close()
+        assert e.value.status == 503 and "forming" in e.value.message
         follower = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", *FLAGS], cwd=ROOT,
                                     env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": "1",
                                          "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
