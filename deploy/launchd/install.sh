@@ -25,7 +25,7 @@ usage: $0 [--model M] [--port N] [--token-file F] [--program P] [--system [--use
   --rank R        this Mac's rank (0 serves HTTP; the others follow it)
   --hostfile F    the mx.distributed hostfile (absolute; the same file on every Mac)
   --tensor-parallel N / --pipeline-parallel N   ranks in the group (N lines in the hostfile)
-  --backend B     ring (TCP, default) or jaccl (RDMA over Thunderbolt 5)
+  --backend B     ring (TCP; the only one set up by a hostfile alone: use mlx.launch for jaccl)
 USAGE
 }
 . "$(dirname "$0")/common.sh"
@@ -52,7 +52,9 @@ case $port in '' | *[!0-9]*) die "--port must be a number, got '$port'" ;; esac
 [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "--port must be in 1..65535, got $port"
 [ -n "$model" ] || die "--model must not be empty"
 for n in "$tp" "$pp"; do case $n in '' | *[!0-9]* | 0) die "--tensor-parallel/--pipeline-parallel must be >= 1, got '$n'" ;; esac; done
-case $backend in ring | jaccl | mpi | any) ;; *) die "--backend must be ring, jaccl, mpi or any, got '$backend'" ;; esac
+# Only ring is configured by MLX_RANK + MLX_HOSTFILE alone; jaccl and mpi need the variables
+# mlx.launch sets for them (start those groups with mlx.launch, see README "Scale-out").
+case $backend in ring) ;; *) die "--backend must be ring (for jaccl or mpi use mlx.launch), got '$backend'" ;; esac
 if [ -n "$rank$hostfile" ] || [ "$tp" != 1 ] || [ "$pp" != 1 ]; then
 	[ "$tp" = 1 ] || [ "$pp" = 1 ] || die "--tensor-parallel and --pipeline-parallel cannot be combined"
 	[ "$tp$pp" != 11 ] || die "a group rank needs --tensor-parallel N or --pipeline-parallel N (N >= 2)"

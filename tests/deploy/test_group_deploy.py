@@ -50,6 +50,7 @@ def test_install_without_group_options_has_no_group_environment(fake_program: Pa
     (["--rank", "0", "--hostfile", "/h", "--tensor-parallel", "2", "--pipeline-parallel", "2"], "cannot be combined"),
     (["--rank", "0", "--hostfile", "/h", "--tensor-parallel", "0"], ">= 1"),
     (["--rank", "0", "--hostfile", "/h", "--tensor-parallel", "2", "--backend", "tcp"], "--backend must be"),
+    (["--rank", "0", "--hostfile", "/h", "--tensor-parallel", "2", "--backend", "jaccl"], "use mlx.launch"),
 ])
 def test_install_rejects_bad_group_options(args: list[str], message: str, fake_program: Path) -> None:
     r = run_sh(INSTALL, "--dry-run", "--program", str(fake_program), *args)
