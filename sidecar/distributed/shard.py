@@ -14,7 +14,9 @@ logits first, so the forward's collectives run in the same order on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -23,7 +25,9 @@ from mlx.utils import tree_flatten
 from sidecar.config import Config
 from sidecar.distributed.group import Channel
 from sidecar.errors import ProtocolError
-from sidecar.runner.kv_cache import LayerSpec
+from sidecar.protocol import check, get
+from sidecar.runner import kv_groups
+from sidecar.runner.kv_spec import LayerSpec, ModelCaches, spec_wire
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow
 from sidecar.worker import MLXWorker, State
 
@@ -100,6 +104,10 @@ class GroupWorker(MLXWorker):
         c = self.model_config.get("text_config", self.model_config)
         specs = self.global_specs or list(runner.specs)
         field = f"{self.mode}_parallel"
+        caches, first = runner.caches, not self.global_specs  # (wake_up re-shards: the runner is already local)
+        if first and (caches.has_state or caches.structure != list(range(len(specs))) or caches.scalar_offsets):
+            raise ProtocolError(f"--{self.mode}-parallel needs a model of plain attention layers (no recurrent "
+                                "state, CacheList or one-row-at-a-time attention)", field=field)
         if self.mode == "tensor":
             heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
             for name, count in (("attention heads", heads), ("KV heads", kv), ("MLP columns", c.get("intermediate_size", n))):
@@ -108,7 +116,7 @@ class GroupWorker(MLXWorker):
             if not hasattr(model, "shard"):
                 raise ProtocolError(f"mlx-lm's {c.get('model_type')} has no tensor parallelism (shard)", field=field)
             model.shard(self.channel.group)
-            local = [_with_heads(s, s.num_kv_heads // n) for s in specs]
+            local = [dataclasses.replace(s, num_kv_heads=s.num_kv_heads // n) for s in specs]
             self.layer_range = (0, len(specs))
         else:
             inner = getattr(model, "model", None)
@@ -120,9 +128,17 @@ class GroupWorker(MLXWorker):
             inner.pipeline(self.channel.group)
             self.layer_range = (inner.start_idx, inner.end_idx)
             local = specs[inner.start_idx : inner.end_idx]
+            if _group_keys(local) != _group_keys(specs):  # requests send one block list per group
+                raise ProtocolError("every pipeline stage must hold every kind of layer the model has "
+                                    "(its KV cache groups)", field=field)
         mx.eval(model.parameters())
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         self.global_specs, runner.specs = specs, local
+        if first:
+            templates = caches.templates[self.layer_range[0] : self.layer_range[1]] if caches.templates else []
+            runner.caches = dataclasses.replace(caches, specs=local, structure=list(range(len(local))),
+                                                templates=templates)
+            runner.set_groups(runner.caches.groups())
         log.info("rank %d/%d: %s parallel, layers %s, %d weight bytes", self.rank, n, self.mode,
                  self.layer_range, self.weights_bytes)
 
@@ -144,9 +160,43 @@ class GroupWorker(MLXWorker):
         blocks = self.channel.min(free // max(1, self.local_block_bytes()))
         return blocks * sum(s.page_size_bytes for s in self.global_specs)
 
+    def _global_view(self) -> SimpleNamespace:
+        """The whole model's specs and groups, shaped like a runner for kv_groups."""
+        return SimpleNamespace(specs=self.global_specs,
+                               groups=ModelCaches(self.global_specs, list(range(len(self.global_specs)))).groups())
+
     def get_kv_cache_spec(self) -> dict[str, dict]:
         self.require("get_kv_cache_spec")
-        return {f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(self.global_specs)}
+        return spec_wire(self.global_specs)
+
+    def get_kv_cache_groups(self) -> list[dict]:
+        self.require("get_kv_cache_groups")
+        return kv_groups.groups_view(self._global_view())
+
+    def initialize_from_config(self, kv_cache_config: dict) -> None:
+        """vLLM's KVCacheConfig, with the worker's own grouping (get_kv_cache_groups) or none: each
+        rank keeps its share of the same groups."""
+        self.require("initialize_from_config")
+        path = "kv_cache_config"
+        check(kv_cache_config, dict, path)
+        num_blocks = get(kv_cache_config, "num_blocks", int, path)
+        groups = get(kv_cache_config, "kv_cache_groups", list, path, default=[])
+        view = self._global_view()
+        ours = sorted(sorted(view.specs[i].name for i in g) for g in view.groups)
+        theirs = []
+        for i, g in enumerate(groups):
+            gp = f"{path}.kv_cache_groups[{i}]"
+            check(g, dict, gp)
+            names = get(g, "layer_names", list, gp)
+            theirs.append(sorted(check(name, str, f"{gp}.layer_names[{j}]") for j, name in enumerate(names)))
+            bs = get(g, "kv_cache_spec", dict, gp, default={}).get("block_size", self.config.block_size)
+            if bs != self.config.block_size:
+                raise ProtocolError(f"block_size {bs} differs from the worker's {self.config.block_size}",
+                                    field=f"{gp}.kv_cache_spec.block_size")
+        if groups and sorted(theirs) != ours:
+            raise ProtocolError(f"with --{self.mode}-parallel the KV cache groups must be the worker's own "
+                                "(get_kv_cache_groups)", field=f"{path}.kv_cache_groups")
+        self.initialize_cache(num_blocks, 0)
 
     def get_cache_block_size_bytes(self) -> int:
         self.require("get_cache_block_size_bytes")
@@ -162,7 +212,7 @@ class GroupWorker(MLXWorker):
     def get_model(self) -> dict:
         out = super().get_model()
         out["num_layers"] = len(self.global_specs)
-        out["num_kv_heads"] = self.global_specs[0].num_kv_heads if self.global_specs else None
+        out["num_kv_heads"] = next((s.num_kv_heads for s in self.global_specs), None)
         out["parallel"] = {"mode": self.mode, "world_size": self.world_size,
                            "tensor_parallel": self.config.tensor_parallel,
                            "pipeline_parallel": self.config.pipeline_parallel}
@@ -188,5 +238,5 @@ def _forward_one_at_a_time(runner: Any) -> None:
     runner._forward = one_at_a_time
 
 
-def _with_heads(s: LayerSpec, heads: int) -> LayerSpec:
-    return LayerSpec(s.block_size, heads, s.head_size, s.head_size_v, s.dtype, s.sliding_window)
+def _group_keys(specs: Sequence[LayerSpec]) -> list[tuple]:
+    return list(dict.fromkeys(s.group_key for s in specs))

@@ -194,16 +194,6 @@ class PagedCache:
         return self.layout.mask(w, return_array, self.mask_5d, self.chunk)
 
     @property
-    def keys(self) -> mx.array:
-        return self.pool.keys[self.layer]
-
-    @keys.setter
-    def keys(self, value: mx.array) -> None:
-        # mlx-lm's pipeline stages tie their send to the last cache's keys (mx.depends), so
-        # evaluating the pool evaluates the send.
-        self.pool.keys[self.layer] = value
-
-    @property
     def state(self) -> list[mx.array]:
         return [self.pool.keys[self.layer], self.pool.values[self.layer]]
 
