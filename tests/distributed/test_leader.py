@@ -96,6 +96,13 @@ def test_group_describes_the_whole_model(group: Group, remote: RemoteWorker, mak
     single = make_worker(group.model, 8, max_model_len=256)
     assert remote.get_kv_cache_spec() == single.get_kv_cache_spec()  # every layer, every KV head
     assert remote.get_cache_block_size_bytes() == single.get_cache_block_size_bytes()
+    groups = remote.call("get_kv_cache_groups")
+    assert groups == single.get_kv_cache_groups()
+    split = [{"layer_names": [n], "kv_cache_spec": groups[0]["kv_cache_spec"]} for n in groups[0]["layer_names"]]
+    r = httpx.post(f"{group.leader.url}/rpc/initialize_from_config",
+                   json={"kv_cache_config": {"num_blocks": BLOCKS, "kv_cache_groups": split}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "kv_cache_config.kv_cache_groups", r.text
+    remote.call("initialize_from_config", kv_cache_config={"num_blocks": BLOCKS, "kv_cache_groups": groups})
     info = httpx.get(f"{group.leader.url}/info").json()
     assert info["kv_cache_spec"] == single.get_kv_cache_spec()
     text0 = httpx.get(f"{group.leader.url}/metrics").text
