@@ -163,6 +163,15 @@ def resolve_model(name: str, home: str | None = None) -> Path:
     return path.resolve()
 
 
+def needs_building(name: str, home: str | None = None) -> bool:
+    """True when resolving ``name`` would generate a built-in first (it is not on disk yet)."""
+    builtin = name.removeprefix(BUILTIN_PREFIX)
+    if not name.startswith(BUILTIN_PREFIX) or builtin not in BUILTIN_MODELS:
+        return False
+    target = cache_home(home) / "models" / f"{builtin}-v{BUILTIN_MODELS[builtin].version}"
+    return not (target / MARKER).is_file()
+
+
 def ensure_builtin(name: str, home: str | None = None) -> Path:
     """Return the complete directory of built-in ``name``, generating it once if needed."""
     spec = BUILTIN_MODELS[name]

@@ -1,7 +1,8 @@
 """`mlx-sidecar generate`: the reference scheduler over RemoteWorker, streaming text to stdout.
 
 It brings a fresh worker up to `ready` itself (the calls a scheduler makes at start-up), so
-`make serve` followed by one `generate` shows the whole loop working.
+`make serve` followed by one `generate` shows the whole loop working. A server still bringing
+itself up (`serve --preload`) is waited for instead, never raced.
 """
 
 from __future__ import annotations
@@ -14,6 +15,22 @@ from typing import Any, Callable
 
 from sidecar.client import RemoteError, RemoteWorker
 from sidecar.scheduler.scheduler import Event, Request, Scheduler, run
+
+
+def wait_and_bring_up(worker: RemoteWorker, say: Callable[[str], None], max_blocks: int = 8192) -> None:
+    """Wait out a server's own preload (showing each stage), else drive the lifecycle ourselves."""
+    def waiting(what: str) -> None:
+        say(f"waiting for the server ({what})")
+
+    body = worker.wait_while_starting(waiting)
+    if body.get("ready"):
+        return
+    try:
+        bring_up(worker, body.get("state", ""), max_blocks)
+    except RemoteError as e:
+        if not (e.status == 503 and e.message.startswith("starting:")):
+            raise
+        worker.wait_while_starting(waiting)
 
 
 def bring_up(worker: RemoteWorker, state: str, max_blocks: int = 8192) -> None:
@@ -63,7 +80,7 @@ def generate_cli(args: argparse.Namespace) -> int:
              else os.environ.get("MLX_SIDECAR_AUTH_TOKEN", "").strip() or None)
     worker = RemoteWorker(args.url, token=token)
     try:
-        bring_up(worker, worker.info()["state"])
+        wait_and_bring_up(worker, lambda line: print(f"mlx-sidecar generate: {line}", file=sys.stderr, flush=True))
         info = worker.info()
         model = worker.get_model()
         tok = load_tokenizer(args.model or model["path"])

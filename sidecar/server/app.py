@@ -39,6 +39,7 @@ from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_to
 from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
+from sidecar.server.startup import Startup, preload
 from sidecar.worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
@@ -63,6 +64,7 @@ class Sidecar:
     deadline: float | None = None  # monotonic time by which shutdown must be complete
     clean_shutdown: bool = True
     preload_error: str | None = field(default=None)
+    startup: Startup = field(default_factory=Startup)  # the preload's running stage, if any
     _dropped_queued: bool = False
 
     def publish(self) -> None:
@@ -99,6 +101,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         sc.loop = asyncio.get_running_loop()
         sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
         if config.preload:
+            sc.startup.stage = "initialising the device"  # before the socket is bound: no RPC can race the preload
             sc.thread.submit(lambda: _preload(sc))
         try:
             yield
@@ -124,6 +127,9 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 raise MethodNotAllowed(f"{request.method} is not allowed; RPCs are POST /rpc/{method}")
             if sc.draining or sc.thread is None:
                 raise Unavailable("the worker is shutting down", retry_after=5)
+            if (stage := sc.startup.stage) is not None:
+                raise Unavailable(f"starting: {stage} (serve --preload is bringing the worker up; "
+                                  "wait for /readyz)", retry_after=2)
             if in_type and in_type not in MSGPACK_TYPES and in_type != JSON_TYPE:
                 raise UnsupportedMediaType(f"content type {in_type[:64]!r} is not msgpack or JSON")
             body = await _read_body(request, config.max_body_bytes)
@@ -177,10 +183,12 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def readyz(request: Request) -> Response:
         w = sc.worker
         state = w.state
-        ready = state in (State.CACHE_READY, State.READY) and w.healthy and not sc.draining
+        ready = state in (State.CACHE_READY, State.READY) and w.healthy and not sc.draining and sc.startup.stage is None
         body = {"ready": ready, "state": state.value, "healthy": w.healthy, "draining": sc.draining}
         if sc.preload_error:
             body["preload_error"] = sc.preload_error
+        if sc.startup.stage is not None:
+            body["starting"] = sc.startup.stage
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def info(request: Request) -> Response:
@@ -193,7 +201,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "kv_cache_spec": snap.kv_cache_spec, "num_blocks": snap.num_blocks, "block_size": snap.block_size,
             "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
-            "draining": sc.draining,
+            "draining": sc.draining, "starting": sc.startup.stage,
         })
 
     async def metrics(request: Request) -> Response:
@@ -281,30 +289,11 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
 
 def _preload(sc: Sidecar) -> None:
     try:
-        preload(sc.worker, after_each=sc.publish)
+        preload(sc.worker, after_each=sc.publish, startup=sc.startup)
     except Exception as e:  # noqa: BLE001 - reported by /readyz; the scheduler may still drive the lifecycle
         sc.preload_error = f"{type(e).__name__}: {e}"
         sc.metrics.observe_error("preload")
         slog.exception("preload failed")
-
-
-def preload(worker: MLXWorker, after_each: Any = None) -> None:
-    """Drive the lifecycle to `ready` with a pool sized for max_num_seqs full-length requests."""
-    cfg = worker.config
-    step = after_each or (lambda: None)
-    worker.init_device()
-    step()
-    worker.load_model()
-    step()
-    free = worker.determine_available_memory()
-    per_block = worker.get_cache_block_size_bytes()
-    assert worker.runner is not None
-    want = -(-worker.runner.max_model_len // cfg.block_size) * cfg.max_num_seqs
-    worker.initialize_cache(max(1, min(free // per_block, want)), 0)
-    step()
-    worker.compile_or_warm_up_model()
-    worker.check_health()
-    slog.info("preload: ready with %d KV blocks", worker.runner.num_blocks if worker.runner else 0)
 
 
 async def _drain(sc: Sidecar) -> None:
