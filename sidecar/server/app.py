@@ -39,7 +39,7 @@ from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_to
 from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
-from sidecar.server.startup import Startup, preload
+from sidecar.server.startup import Startup, preload, progress_reporter
 from sidecar.worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
@@ -102,6 +102,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
         if config.preload:
             sc.startup.stage = "initialising the device"  # before the socket is bound: no RPC can race the preload
+            sc.startup.report = progress_reporter()
             sc.thread.submit(lambda: _preload(sc))
         try:
             yield

@@ -22,16 +22,20 @@ slog = logging.getLogger("sidecar.server")
 
 @dataclass
 class Startup:
-    """What the preload is doing now (None when it is not running) and how long each stage took."""
+    """What the preload is doing now (None when it is not running) and how long each stage took.
+
+    `report(stage, None)` is called when a stage begins, `report(stage, seconds)` when it ends."""
 
     stage: str | None = None
     done: list[tuple[str, float]] = field(default_factory=list)
-    report: Callable[[str, float], None] | None = None
+    report: Callable[[str, float | None], None] | None = None
     _t0: float | None = None  # None: `stage` is only announced (queued), not running
 
     def begin(self, stage: str) -> None:
         self.end()
         self.stage, self._t0 = stage, time.perf_counter()
+        if self.report is not None:
+            self.report(stage, None)
 
     def end(self) -> None:
         """Close the running stage (if any) and report it with its duration."""
@@ -44,15 +48,17 @@ class Startup:
             self.report(stage, seconds)
 
 
-def progress_reporter(stream: TextIO | None = None) -> Callable[[str, float], None]:
-    """Report a finished stage: a plain line on a terminal when info logs are off, else a log record."""
+def progress_reporter(stream: TextIO | None = None) -> Callable[[str, float | None], None]:
+    """Show stages on a terminal ("mlx-sidecar: warming up ... 12.34s"); with info logs on (any
+    stream), one log record per finished stage instead; nothing otherwise."""
     out = stream if stream is not None else sys.stderr
 
-    def report(stage: str, seconds: float) -> None:
+    def report(stage: str, seconds: float | None) -> None:
         if slog.isEnabledFor(logging.INFO):
-            slog.info("preload: %s took %.2fs", stage, seconds, extra={"stage": stage, "seconds": round(seconds, 3)})
+            if seconds is not None:
+                slog.info("preload: %s took %.2fs", stage, seconds, extra={"stage": stage, "seconds": round(seconds, 3)})
         elif out.isatty():
-            out.write(f"mlx-sidecar: {stage} ({seconds:.2f}s)\n")
+            out.write(f"mlx-sidecar: {stage} ..." if seconds is None else f" {seconds:.2f}s\n")
             out.flush()
 
     return report

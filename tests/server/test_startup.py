@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
+import select
 import subprocess
 import sys
 import time
@@ -9,9 +13,9 @@ import pytest
 
 from sidecar.client import RemoteError, RemoteWorker
 from sidecar.config import Config
-from sidecar.server.startup import Startup, preload
+from sidecar.server.startup import Startup, preload, progress_reporter
 from sidecar.worker import MLXWorker
-from tests.server.serverproc import _probe, spawn
+from tests.server.serverproc import ROOT, _probe, free_port, spawn
 
 # A preload of a few seconds on the tiny model (a 4096-token profile prefill, twice), so a client
 # started right after the socket opens certainly meets it still starting.
@@ -30,7 +34,7 @@ def _wait_for(server, path: str, timeout: float = 60.0) -> tuple[int, dict]:
 
 
 def test_clients_wait_for_a_preloading_server_instead_of_racing_it(home: str) -> None:
-    with spawn(*SLOW_PRELOAD) as s:
+    with spawn(*SLOW_PRELOAD, "--log-level", "info") as s:
         status, body = _wait_for(s, "/readyz")
         assert status == 503 and body["starting"], body
         gen = subprocess.Popen([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "8", "hello"],
@@ -54,14 +58,73 @@ def test_clients_wait_for_a_preloading_server_instead_of_racing_it(home: str) ->
         assert e.value.status == 409
         assert other.info()["starting"] is None
         other.close()
+        # --log-level info: each stage as one record with its duration, also when stderr is a file.
+        logs = s.stderr()
+        for stage in ("initialising the device", "loading the model", "measuring memory", "allocating the cache",
+                      "warming up"):
+            assert f"{stage} took " in logs and f"{stage} seconds=" in logs, logs
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_shows_on_a_terminal_only_unless_info_logs_are_on(caplog: pytest.LogCaptureFixture) -> None:
+    tty, pipe = _Stream(True), _Stream(False)
+    caplog.set_level(logging.WARNING, "sidecar.server")
+    for stream in (tty, pipe):
+        report = progress_reporter(stream)
+        report("warming up", None)
+        report("warming up", 1.5)
+    assert tty.getvalue() == "mlx-sidecar: warming up ... 1.50s\n"
+    assert pipe.getvalue() == "" and not caplog.records
+    caplog.set_level(logging.INFO, "sidecar.server")
+    progress_reporter(tty)("measuring memory", 0.25)
+    assert tty.getvalue() == "mlx-sidecar: warming up ... 1.50s\n"  # the log line replaces it
+    assert [r.getMessage() for r in caplog.records] == ["preload: measuring memory took 0.25s"]
+
+
+def test_serve_preload_on_a_terminal_shows_each_stage_with_its_duration(home: str) -> None:
+    """A real server whose stderr is a pty, at the default log level."""
+    master, slave = os.openpty()
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--preload", "--port", str(port),
+                             "--max-num-batched-tokens", "64", "--max-num-seqs", "2"],
+                            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    text = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"warming up ... " not in text or not text.endswith(b"s\r\n"):
+            assert time.monotonic() < deadline and proc.poll() is None, text
+            if select.select([master], [], [], 0.1)[0]:
+                text += os.read(master, 4096)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        os.close(master)
+    lines = text.decode().replace("\r\n", "\n").splitlines()
+    stages = [line.removeprefix("mlx-sidecar: ").rsplit(" ... ", 1) for line in lines if line.startswith("mlx-sidecar: ")]
+    assert [name for name, _ in stages][2:] == ["measuring memory", "allocating the cache", "warming up"], lines
+    assert stages[1][0].endswith("loading the model")
+    assert all(float(took.removesuffix("s")) >= 0 for _, took in stages)
 
 
 def test_startup_records_each_stage_and_clears_on_failure(home: str) -> None:
-    seen: list[tuple[str, float]] = []
+    seen: list[tuple[str, float | None]] = []
     st = Startup(report=lambda stage, seconds: seen.append((stage, seconds)))
     w = MLXWorker(Config(model="builtin:tiny", home=home, max_num_batched_tokens=64, max_num_seqs=2))
     preload(w, startup=st)
+    began = [name for name, seconds in seen if seconds is None]
+    seen = [(name, seconds) for name, seconds in seen if seconds is not None]
     names = [name for name, _ in seen]
+    assert began == names  # each stage announced when it begins, then reported with its duration
     assert names[1].endswith("loading the model")  # "building builtin:tiny (first use) and ..." on first use
     assert names[:1] + names[2:] == ["initialising the device", "measuring memory", "allocating the cache", "warming up"]
     assert all(seconds >= 0 for _, seconds in seen) and seen == st.done
