@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from sidecar.config import Config, ConfigError, from_env
 
 _HELP = {
-    "model": "builtin:tiny | builtin:tiny-qwen3 | builtin:small | path to an mlx-lm model directory",
+    "model": "builtin:tiny | builtin:tiny-qwen3 | builtin:small | builtin:smollm2 (real, 4-bit) | path to an mlx-lm model directory",
     "kv_dtype": "KV cache dtype: auto (the model's), float16, bfloat16, float32",
     "device": "auto (GPU when Metal/CUDA is available), gpu, cpu",
     "uds": "serve on this Unix socket (mode 0600) instead of TCP",
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--auth-token-file", default=None)
     gen.add_argument("--model", default=None, help="tokenizer source (default: the model the server reports)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the model's chat template to the prompt (default: when the model has one)")
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against mlx-lm side by side")
     bench.add_argument("--model", default="builtin:small")

@@ -75,10 +75,8 @@ def ensure_gguf(name: str, home: str | None = None) -> Path:
                           write=lambda _name, dest: convert_gguf(source, dest, marker={"builtin": name}))
 
 
-def convert_gguf(source: Path, dest: Path, *, unpermute_qk: bool = True, marker: dict | None = None) -> None:
-    """Write an mlx-lm model directory for the llama GGUF ``source`` into the existing ``dest``.
-
-    ``unpermute_qk=False`` keeps llama.cpp's Q/K row order: only for tests' negative controls."""
+def convert_gguf(source: Path, dest: Path, *, marker: dict | None = None) -> None:
+    """Write an mlx-lm model directory for the llama GGUF ``source`` into the existing ``dest``."""
     import mlx.core as mx
 
     tensors, meta = mx.load(str(source), return_metadata=True)
@@ -92,7 +90,7 @@ def convert_gguf(source: Path, dest: Path, *, unpermute_qk: bool = True, marker:
         if module.startswith("blk."):
             _, layer, kind = module.split(".", 2)
             name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}"
-            if unpermute_qk and kind in ("attn_q", "attn_k"):
+            if kind in ("attn_q", "attn_k"):
                 heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
                 value = unpermute_rows(value, heads)
         else:
@@ -109,7 +107,7 @@ def convert_gguf(source: Path, dest: Path, *, unpermute_qk: bool = True, marker:
     _write_json(dest / "tokenizer_config.json", tokenizer_config)
     _write_json(dest / "generation_config.json", generation)
     _write_json(dest / "config.json", config)
-    _write_json(dest / MARKER, {**(marker or {}), "source": source.name, "unpermute_qk": unpermute_qk})
+    _write_json(dest / MARKER, {**(marker or {}), "source": source.name})
 
 
 def unpermute_rows(w: Any, heads: int) -> Any:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sidecar.client import RemoteError, RemoteWorker
+from sidecar.scheduler.chat import prompt_ids
 from sidecar.scheduler.scheduler import Event, Request, Scheduler, run
 
 
@@ -89,13 +90,13 @@ def generate_cli(args: argparse.Namespace) -> int:
         sampling: dict = {"temperature": args.temperature}
         if args.seed is not None:
             sampling["seed"] = args.seed
-        prompt = tok.encode(args.prompt).ids
+        prompt = prompt_ids(tok, args.model or model["path"], args.prompt, getattr(args, "chat", None))
         sched.add_request(Request("generate-0", prompt, sampling, max_tokens=args.max_tokens))
         printer = StreamPrinter(lambda ids: tok.decode(ids, skip_special_tokens=True))
         run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer)
         sys.stdout.write("\n")
         return 0
-    except (RemoteError, OSError) as e:
+    except (RemoteError, OSError, ValueError) as e:  # ValueError: --chat without a template, a bad template
         print(f"mlx-sidecar generate: {e}", file=sys.stderr)
         return 1
     finally:

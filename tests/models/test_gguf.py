@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from sidecar.models import ModelNotFound, resolve_model
-from sidecar.models.gguf import GGUF_MODELS, GGUFSpec, convert_gguf, gguf_path, unpermute_rows
+from sidecar.models.gguf import GGUF_MODELS, GGUFSpec, unpermute_rows
+from sidecar.scheduler.chat import prompt_ids
+from sidecar.scheduler.generate import load_tokenizer
 from tests.conftest import mlx_lm_greedy
 from tests.driver import Driver
 
@@ -30,10 +32,14 @@ def mlx_lm_loaded(smollm2: Path) -> tuple:
     return mlx_lm.load(str(smollm2))
 
 
-def _chat_answer(model: object, tokenizer: object, max_tokens: int = 8) -> str:
+def _chat_ids(tokenizer: object) -> list[int]:
+    """QUESTION through transformers' own apply_chat_template (mlx-lm's tokenizer wraps it)."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True))
+
+
+def _chat_answer(model: object, tokenizer: object, max_tokens: int = 7) -> str:
     """Greedy answer to QUESTION through mlx-lm's own chat template and generation."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
-    out, _ = mlx_lm_greedy(model, ids, max_tokens)
+    out, _ = mlx_lm_greedy(model, _chat_ids(tokenizer), max_tokens)
     return tokenizer.decode(out)
 
 
@@ -51,26 +57,39 @@ def test_converted_directory_is_a_4bit_mlx_lm_model(smollm2: Path, mlx_lm_loaded
     assert resolve_model("builtin:smollm2", str(smollm2.parents[1])) == smollm2  # converted once, then reused
 
 
-def test_chat_answer_is_right_and_needs_the_qk_unpermutation(smollm2: Path, mlx_lm_loaded: tuple,
-                                                              tmp_path: Path) -> None:
-    import mlx_lm
+def llama_cpp_permute(w, heads: int):
+    """llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (HF order -> GGUF order), written out."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
+
+def test_chat_answer_is_right_and_needs_the_qk_unpermutation(mlx_lm_loaded: tuple) -> None:
     model, tokenizer = mlx_lm_loaded
     answer = _chat_answer(model, tokenizer)
     assert "Paris" in answer, answer
-    # Negative control: the same conversion without undoing llama.cpp's Q/K row order still loads
-    # and runs, but does not know the answer.
-    convert_gguf(gguf_path("smollm2"), tmp_path, unpermute_qk=False)
-    wrong, wrong_tok = mlx_lm.load(str(tmp_path))
-    bad = _chat_answer(wrong, wrong_tok)
+    # Negative control: the same weights with Q/K rows in llama.cpp's order (what the converter
+    # would write without unpermuting: packed words, scales and biases alike) still run, but do
+    # not know the answer. The shared model is restored afterwards.
+    config = model.args
+    saved = []
+    try:
+        for layer in model.model.layers:
+            for proj, heads in ((layer.self_attn.q_proj, config.num_attention_heads),
+                                (layer.self_attn.k_proj, config.num_key_value_heads)):
+                saved.append((proj, {k: getattr(proj, k) for k in ("weight", "scales", "biases")}))
+                for k, v in saved[-1][1].items():
+                    setattr(proj, k, llama_cpp_permute(v, heads))
+        bad = _chat_answer(model, tokenizer)
+    finally:
+        for proj, params in saved:
+            for k, v in params.items():
+                setattr(proj, k, v)
     assert "Paris" not in bad, bad
 
 
 def test_unpermute_rows_inverts_llama_cpp_permute() -> None:
-    """Against llama.cpp's convert_hf_to_gguf `permute` written out here, rows with trailing data."""
     heads, head_dim, cols = 3, 8, 5
     hf = np.arange(heads * head_dim * cols).reshape(heads * head_dim, cols)
-    gguf = hf.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(hf.shape)
+    gguf = llama_cpp_permute(hf, heads)
     assert not np.array_equal(gguf, hf)
     np.testing.assert_array_equal(unpermute_rows(gguf, heads), hf)
 
@@ -84,7 +103,7 @@ def test_sidecar_greedy_equals_mlx_lm_batched_chunked(make_worker, smollm2: Path
     d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
     for i, p in enumerate(ps):
         d.add(f"r{i}", p, {"temperature": 0.0, "logprobs": 0})
-    n = 6
+    n = 5
     got = d.run(n, chunk=4)  # prompts of 4-10 tokens: chunked prefill next to other rows' decodes
     for i, p in enumerate(ps):
         want, want_lp = mlx_lm_greedy(oracle, p, n)
@@ -105,6 +124,17 @@ def test_tokenizer_round_trips_and_knows_its_special_tokens(mlx_lm_loaded: tuple
     assert tok.encode(" the", add_special_tokens=False) == [260]  # a merged word is one token (id from the vocab)
     assert tok.convert_ids_to_tokens([260]) == ["Ġthe"]
     assert tokenizer.eos_token_id == 2 and tokenizer.chat_template
+
+
+def test_generate_chat_prompt_equals_transformers_apply_chat_template(smollm2: Path, mlx_lm_loaded: tuple) -> None:
+    """`generate`'s own template rendering (jinja2 + tokenizers, no transformers) gives the same ids."""
+    _, tokenizer = mlx_lm_loaded
+    tok = load_tokenizer(str(smollm2))
+    got = prompt_ids(tok, smollm2, QUESTION, None)  # default: on, as the model has a template
+    assert got == _chat_ids(tokenizer)
+    assert got[0] == 1 and got[-4:] == tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
+    raw = prompt_ids(tok, smollm2, QUESTION, False)
+    assert raw == tok.encode(QUESTION).ids and raw != got
 
 
 def test_missing_package_is_a_clear_model_not_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
