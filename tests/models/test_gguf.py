@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sidecar.models import ModelNotFound, resolve_model
-from sidecar.models.gguf import GGUF_MODELS, GGUFSpec, unpermute_rows
+from sidecar.models.gguf import GGUF_MODELS, GGUFSpec, gguf_path, unpermute_rows
 from sidecar.scheduler.chat import prompt_ids
 from sidecar.scheduler.generate import load_tokenizer
 from tests.conftest import mlx_lm_greedy
@@ -135,6 +135,55 @@ def test_generate_chat_prompt_equals_transformers_apply_chat_template(smollm2: P
     assert got[0] == 1 and got[-4:] == tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
     raw = prompt_ids(tok, smollm2, QUESTION, False)
     assert raw == tok.encode(QUESTION).ids and raw != got
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level alphabet)."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _reference_bpe(text: str, tokens: list[str], merges: list[str]) -> list[int]:
+    """Byte-level BPE straight from the GGUF's vocabulary and merges (GPT-2's algorithm, llama.cpp's
+    `smollm` pre-tokenizer regexes), independent of the tokenizers library."""
+    import regex
+
+    rank = {tuple(m.split(" ")): i for i, m in enumerate(merges)}
+    ids = {t: i for i, t in enumerate(tokens)}
+    byte_char = _bytes_to_unicode()
+    gpt2 = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+    out: list[int] = []
+    for piece in regex.split(r"(\p{N})", text):  # every digit alone first
+        for word in gpt2.findall(piece):
+            parts = [byte_char[b] for b in word.encode("utf-8")]
+            while len(parts) > 1:
+                pairs = [(rank.get((a, b), len(rank)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+                best, i = min(pairs)
+                if best == len(rank):
+                    break
+                parts[i : i + 2] = [parts[i] + parts[i + 1]]
+            out += [ids[p] for p in parts]
+    return out
+
+
+def test_tokenizer_equals_a_reference_bpe_over_the_gguf_vocabulary(mlx_lm_loaded: tuple) -> None:
+    import mlx.core as mx
+
+    _, meta = mx.load(str(gguf_path("smollm2")), return_metadata=True)
+    tokens, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"]
+    tok = mlx_lm_loaded[1]._tokenizer
+    texts = ["What is the capital of France?", "I'm sure they'll say it's 1999 or 2024.",
+             "naïve café, 東京, emoji 🙂\n\n  indented\tcode();", "def f(x):\n    return x**2  # square"]
+    for text in texts:
+        want = _reference_bpe(text, tokens, merges)
+        assert tok.encode(text, add_special_tokens=False) == want, text
+    # Negative control: the reference is sensitive to the merges (dropping one changes the ids).
+    assert _reference_bpe(texts[0], tokens, merges[1:]) != _reference_bpe(texts[0], tokens, merges)
 
 
 def test_missing_package_is_a_clear_model_not_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
