@@ -10,6 +10,7 @@ through the `sidecar.server` logger at level info otherwise (quiet at the defaul
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ slog = logging.getLogger("sidecar.server")
 class Startup:
     """What the preload is doing now (None when it is not running) and how long each stage took.
 
-    `report(stage, None)` is called when a stage begins, `report(stage, seconds)` when it ends."""
+    `report(stage, None)` is called when a stage begins, `report(stage, seconds)` when it ends,
+    `report(stage, nan)` when it failed."""
 
     stage: str | None = None
     done: list[tuple[str, float]] = field(default_factory=list)
@@ -55,10 +57,13 @@ def progress_reporter(stream: TextIO | None = None) -> Callable[[str, float | No
 
     def report(stage: str, seconds: float | None) -> None:
         if slog.isEnabledFor(logging.INFO):
-            if seconds is not None:
+            if seconds is not None and not math.isnan(seconds):
                 slog.info("preload: %s took %.2fs", stage, seconds, extra={"stage": stage, "seconds": round(seconds, 3)})
         elif out.isatty():
-            out.write(f"mlx-sidecar: {stage} ..." if seconds is None else f" {seconds:.2f}s\n")
+            if seconds is None:
+                out.write(f"mlx-sidecar: {stage} ...")
+            else:
+                out.write(" failed\n" if math.isnan(seconds) else f" {seconds:.2f}s\n")
             out.flush()
 
     return report
@@ -98,6 +103,8 @@ def preload(worker: MLXWorker, after_each: Any = None, startup: Startup | None =
         worker.check_health()
         st.end()
     finally:
-        st.stage = st._t0 = None  # a failed stage is not reported as done; the lifecycle is open again
+        if st.stage is not None and st._t0 is not None and st.report is not None:
+            st.report(st.stage, math.nan)  # failed: not in `done`
+        st.stage = st._t0 = None  # the lifecycle is open again
     total = sum(s for _, s in st.done)
     slog.info("preload: ready with %d KV blocks in %.2fs", worker.runner.num_blocks if worker.runner else 0, total)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import select
 import subprocess
@@ -17,9 +18,9 @@ from sidecar.server.startup import Startup, preload, progress_reporter
 from sidecar.worker import MLXWorker
 from tests.server.serverproc import ROOT, _probe, free_port, spawn
 
-# A preload of a few seconds on the tiny model (a 4096-token profile prefill, twice), so a client
-# started right after the socket opens certainly meets it still starting.
-SLOW_PRELOAD = ["--preload", "--max-num-batched-tokens", "4096", "--max-model-len", "4096", "--max-num-seqs", "4"]
+# A preload of a few seconds on the tiny model (a 3072-token profile prefill, twice): `generate`,
+# started with the server as a user would type it, meets it still starting.
+SLOW_PRELOAD = ["--preload", "--max-num-batched-tokens", "3072", "--max-model-len", "4096", "--max-num-seqs", "4"]
 
 
 def _wait_for(server, path: str, timeout: float = 60.0) -> tuple[int, dict]:
@@ -35,10 +36,11 @@ def _wait_for(server, path: str, timeout: float = 60.0) -> tuple[int, dict]:
 
 def test_clients_wait_for_a_preloading_server_instead_of_racing_it(home: str) -> None:
     with spawn(*SLOW_PRELOAD, "--log-level", "info") as s:
-        status, body = _wait_for(s, "/readyz")
-        assert status == 503 and body["starting"], body
+        # At once, before the server even listens: it waits for the socket, then for the preload.
         gen = subprocess.Popen([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "8", "hello"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        status, body = _wait_for(s, "/readyz")
+        assert status == 503 and body["starting"], body
         # A second client driving the lifecycle meets 503 + Retry-After naming the stage, not a 409.
         other = RemoteWorker(s.url)
         with pytest.raises(RemoteError) as e:
@@ -81,11 +83,13 @@ def test_progress_shows_on_a_terminal_only_unless_info_logs_are_on(caplog: pytes
         report = progress_reporter(stream)
         report("warming up", None)
         report("warming up", 1.5)
-    assert tty.getvalue() == "mlx-sidecar: warming up ... 1.50s\n"
+        report("measuring memory", None)
+        report("measuring memory", math.nan)
+    assert tty.getvalue() == "mlx-sidecar: warming up ... 1.50s\nmlx-sidecar: measuring memory ... failed\n"
     assert pipe.getvalue() == "" and not caplog.records
     caplog.set_level(logging.INFO, "sidecar.server")
     progress_reporter(tty)("measuring memory", 0.25)
-    assert tty.getvalue() == "mlx-sidecar: warming up ... 1.50s\n"  # the log line replaces it
+    assert tty.getvalue().count("\n") == 2  # the log line replaces it
     assert [r.getMessage() for r in caplog.records] == ["preload: measuring memory took 0.25s"]
 
 
@@ -129,7 +133,9 @@ def test_startup_records_each_stage_and_clears_on_failure(home: str) -> None:
     assert names[:1] + names[2:] == ["initialising the device", "measuring memory", "allocating the cache", "warming up"]
     assert all(seconds >= 0 for _, seconds in seen) and seen == st.done
     assert st.stage is None and w.state.value == "ready"
-    bad = Startup()
+    failed: list[tuple[str, float | None]] = []
+    bad = Startup(report=lambda stage, seconds: failed.append((stage, seconds)))
     with pytest.raises(Exception):
         preload(MLXWorker(Config(model="builtin:no-such-model", home=home)), startup=bad)
     assert bad.stage is None and [n for n, _ in bad.done] == ["initialising the device"]
+    assert failed[-1][0] == "loading the model" and math.isnan(failed[-1][1])  # reported as failed
