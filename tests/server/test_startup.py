@@ -139,3 +139,16 @@ def test_startup_records_each_stage_and_clears_on_failure(home: str) -> None:
         preload(MLXWorker(Config(model="builtin:no-such-model", home=home)), startup=bad)
     assert bad.stage is None and [n for n, _ in bad.done] == ["initialising the device"]
     assert failed[-1][0] == "loading the model" and math.isnan(failed[-1][1])  # reported as failed
+
+
+def test_generate_reports_a_failed_preload_instead_of_waiting(home: str, tmp_path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with spawn("--preload", "--model", missing) as s:
+        deadline = time.monotonic() + 60
+        while not (body := _wait_for(s, "/readyz")[1]).get("preload_error"):
+            assert time.monotonic() < deadline, body
+            time.sleep(0.05)
+        assert "starting" not in body  # the failed preload gave the lifecycle back
+        out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "hello"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "preload failed" in out.stderr and "no-such-model" in out.stderr, out.stderr
