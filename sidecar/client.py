@@ -186,6 +186,10 @@ class RemoteWorker:
     def execute_model(self, scheduler_output: dict) -> ModelRunnerOutput:
         return output_from_wire(self.call("execute_model", scheduler_output=scheduler_output))
 
+    def take_draft_token_ids(self) -> dict | None:
+        """The worker's drafts for the next step (vLLM's DraftTokenIds: req_ids, draft_token_ids) or None."""
+        return self.call("take_draft_token_ids")
+
     def check_health(self) -> None:
         return self.call("check_health")
 

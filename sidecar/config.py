@@ -24,6 +24,13 @@ class Config:
     max_num_batched_tokens: int = 2048
     max_logprobs: int = 20
     decode_ahead: bool = True  # overlap the next decode forward with the RPC round trip
+    # speculative decoding (vLLM's speculative_config): drafts proposed by the worker, handed out by
+    # take_draft_token_ids and verified when the scheduler sends them back (runner/proposers.py)
+    speculative_method: str = "none"  # none | ngram | draft_model (implied by draft_model)
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_model: str | None = None  # a small mlx-lm model with the target's vocabulary
     # server
     host: str = "127.0.0.1"
     port: int = 8000
@@ -72,10 +79,24 @@ class Config:
             ("shutdown_timeout", self.shutdown_timeout > 0, "must be > 0"),
             ("max_body_bytes", self.max_body_bytes >= 1, "must be >= 1"),
             ("log_level", self.log_level.lower() in LOG_LEVELS, "must be one of " + "|".join(LOG_LEVELS)),
+            ("speculative_method", self.speculative_method in ("none", "ngram", "draft_model"),
+             "must be none, ngram or draft_model"),
+            ("draft_model", self.spec_method != "draft_model" or bool(self.draft_model),
+             "is needed for speculative_method draft_model"),
+            ("num_speculative_tokens", 1 <= self.num_speculative_tokens <= 32, "must be in [1, 32]"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min, "must be >= prompt_lookup_min"),
         ]
         for key, ok, why in checks:
             if not ok:
                 raise ConfigError(key, f"{key} {why}, got {getattr(self, key)!r}")
+
+    @property
+    def spec_method(self) -> str:
+        """The speculative method in effect: a draft model alone implies draft_model."""
+        if self.speculative_method == "none" and self.draft_model:
+            return "draft_model"
+        return self.speculative_method
 
     def token(self) -> str | None:
         """The bearer token, from the token file when one is configured."""

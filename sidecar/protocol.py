@@ -164,6 +164,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    # {req_id: [draft token ids]}: verified in this step (runner/spec_decode.py)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -184,7 +186,16 @@ class SchedulerOutput:
             total_num_scheduled_tokens=get(d, "total_num_scheduled_tokens", int),
             finished_req_ids=list_of(get(d, "finished_req_ids", list, default=[]), "finished_req_ids", _str),
             preempted_req_ids=list_of(get(d, "preempted_req_ids", list, default=[]), "preempted_req_ids", _str),
+            scheduled_spec_decode_tokens=_spec_tokens(get(d, "scheduled_spec_decode_tokens", dict, default={})),
         )
+
+
+def _spec_tokens(d: dict) -> dict[str, list[int]]:
+    path = "scheduled_spec_decode_tokens"
+    for k, v in d.items():
+        check(k, str, path)
+        int_list(v, f"{path}.{k}")
+    return d
 
 
 def _str(v: Any, path: str) -> str:

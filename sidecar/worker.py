@@ -56,6 +56,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "initialize_from_config": (_LOADED, "call load_model first"),
     "compile_or_warm_up_model": (_CACHED, "call initialize_cache first"),
     "execute_model": (_CACHED, "call initialize_cache first"),
+    "take_draft_token_ids": (_CACHED, "call initialize_cache first"),
     "sleep": (_CACHED, "call initialize_cache first"),
     "wake_up": ({S.SLEEPING}, "call sleep first"),
     "check_health": (set(State), ""),
@@ -168,6 +169,10 @@ class MLXWorker:
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
         )
+        from sidecar.runner.proposers import proposer_for
+
+        self.runner.proposer = proposer_for(self.config, vocab_size=self._vocab_size(), max_model_len=cap,
+                                            layer_specs=self._layer_specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
 
@@ -193,13 +198,14 @@ class MLXWorker:
             ids += v if isinstance(v, list) else [] if v is None else [v]
         return sorted(set(ids))
 
-    def _layer_specs(self) -> list[LayerSpec]:
-        c = self.model_config.get("text_config", self.model_config)
+    def _layer_specs(self, model_config: dict | None = None, model: nn.Module | None = None) -> list[LayerSpec]:
+        model_config = self.model_config if model_config is None else model_config
+        c = model_config.get("text_config", model_config)
         heads = c["num_attention_heads"]
         kv_heads = c.get("num_key_value_heads") or heads
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         dtype = dtype_name(self._model_dtype()) if self.config.kv_dtype == "auto" else self.config.kv_dtype
-        types = c.get("layer_types") or ["full_attention"] * len(self.model.layers)  # type: ignore[union-attr]
+        types = c.get("layer_types") or ["full_attention"] * len((model or self.model).layers)  # type: ignore[union-attr]
         window = c.get("sliding_window")
         return [
             LayerSpec(self.config.block_size, kv_heads, head_dim, head_dim, dtype,
@@ -220,6 +226,11 @@ class MLXWorker:
         total = int(device_memory_bytes() * self.config.gpu_memory_utilization)
         held = self.runner.pool.nbytes if self.runner.pool else 0  # an existing pool is reusable
         free = total - self.weights_bytes - self.activation_peak_bytes - (mx.get_active_memory() - before) + held
+        draft = getattr(self.runner.proposer, "runner", None)
+        if draft is not None:  # the draft model's weights, and a draft block for every block of ours
+            free -= sum(v.nbytes for _, v in tree_flatten(draft.model.parameters()))
+            ours, theirs = self.get_cache_block_size_bytes(), sum(s.page_size_bytes for s in draft.specs)
+            free = free * ours // (ours + theirs)
         log.info("determine_available_memory: %d bytes (weights %d, activation peak %d)",
                  free, self.weights_bytes, self.activation_peak_bytes)
         return max(0, free)
@@ -314,6 +325,13 @@ class MLXWorker:
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute_model(self.runner.decode(scheduler_output))
+
+    @lifecycle
+    def take_draft_token_ids(self) -> dict | None:
+        """Drafts the proposer made in the last step (vLLM's DraftTokenIds), taken once; null when
+        speculation is off or no request got drafts."""
+        proposer = self.runner.proposer if self.runner is not None else None
+        return proposer.take() if proposer is not None else None
 
     @lifecycle
     def check_health(self) -> None:

@@ -65,6 +65,15 @@ class BenchParams:
     sweep_concurrency: tuple[int, ...] = (1, 4, 16, 32, 64)
     sweep_prompt_len: int = 8
     sweep_new_tokens: int = 16
+    # 7. speculative decoding (spec.py): one greedy stream, n-gram proposer on vs off.
+    spec_prompt_len: int = 64
+    spec_new_tokens: int = 128
+    spec_repeats: int = 3
+    spec_k: int = 4
+    spec_lookup_min: int = 2
+    spec_lookup_max: int = 5
+    spec_candidates: int = 4  # repetitive-prompt candidates probed
+    spec_probe_tokens: int = 12
     # Warm-up sizes (both sides).
     warmup_new_tokens: int = 8
     notes: tuple[str, ...] = field(default=())
@@ -89,6 +98,7 @@ def quick(**kw: object) -> BenchParams:
         pool_steps=8, pool_repeats=1,
         sampling_steps=3, sampling_repeats=1, sampling_prompt_len=2,
         sweep_prompt_len=4, sweep_new_tokens=4, warmup_new_tokens=4,
+        spec_new_tokens=64, spec_repeats=1, spec_candidates=3, spec_probe_tokens=8,
     ).replace(**kw)
 
 
@@ -114,6 +124,7 @@ def tiny(**kw: object) -> BenchParams:
         pool_small_blocks=64, pool_large_blocks=512, pool_batch=2, pool_prompt_len=4, pool_steps=4, pool_repeats=1,
         sampling_prompt_len=2, sampling_steps=3, sampling_repeats=1,
         sweep_concurrency=(1, 2, 4), sweep_prompt_len=4, sweep_new_tokens=3, warmup_new_tokens=2,
+        spec_prompt_len=8, spec_new_tokens=8, spec_repeats=1, spec_candidates=2, spec_probe_tokens=4,
     ).replace(**kw)
 
 

@@ -39,6 +39,12 @@ GOALS = (
          "{pool_large_step_ms:.2f} / {pool_small_step_ms:.2f} ms", "-"),
     Goal("sampling_mixed_ratio", "{sampling_rows:.0f}-row step, mixed / greedy", "<=", 1.10,
          "{sampling_mixed_step_ms:.1f} / {sampling_greedy_step_ms:.1f} ms", "-"),
+    Goal("spec_repetitive_ratio", "ngram spec on/off, repetitive text", ">=", 1.8,
+         "{spec_repetitive_on_tok_s:.2f} / {spec_repetitive_off_tok_s:.2f} tok/s, accept "
+         "{spec_repetitive_acceptance:.0%}, {spec_repetitive_tokens_per_step:.2f} tok/step", "-"),
+    Goal("spec_random_ratio", "ngram spec on/off, random text", ">=", 0.95,
+         "{spec_random_on_tok_s:.2f} / {spec_random_off_tok_s:.2f} tok/s, accept "
+         "{spec_random_acceptance:.0%}, {spec_random_tokens_per_step:.2f} tok/step", "-"),
 )
 
 # Every key the JSON must carry with a finite value (the smoke test checks these).
@@ -50,6 +56,7 @@ REQUIRED_KEYS = (
     "single_stream_sidecar_tok_s", "single_stream_mlx_lm_tok_s", "batch32_sidecar_tok_s", "batch32_mlx_lm_tok_s",
     "prefix_cold_ttft_s", "prefix_warm_ttft_s", "pool_small_step_ms", "pool_large_step_ms",
     "sampling_greedy_step_ms", "sampling_mixed_step_ms",
+    "spec_repetitive_ratio", "spec_random_ratio",
 )
 
 

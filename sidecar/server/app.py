@@ -203,6 +203,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
             "draining": sc.draining, "starting": sc.startup.stage,
+            "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"
         })
 
     async def metrics(request: Request) -> Response:

@@ -132,6 +132,9 @@ class WorkerCollector(Collector):
                     self._metrics.last_step_seconds)
         yield gauge("last_health_check_timestamp_seconds", "Unix time of the last health check (0: never)",
                     w.last_health_check)
+        m = self._metrics
+        yield gauge("spec_decode_acceptance_ratio", "Speculative decoding: accepted / verified draft tokens since start "
+                    "(0 before any)", m.spec_accepted / m.spec_drafts if m.spec_drafts else 0.0)
 
 
 class _WithoutCreated(Collector):
@@ -170,6 +173,12 @@ class Metrics:
         self.step_batch_size = Histogram(p + "step_batch_size", "Requests per step", buckets=BATCH_BUCKETS, registry=events)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "From a request's first sight to its first sampled token",
                               buckets=TTFT_BUCKETS, registry=events)
+        # Speculative decoding (runner/spec_decode.py): the acceptance rate is accepted / draft tokens.
+        self.spec_draft_tokens = Counter(p + "spec_decode_draft_tokens", "Draft tokens verified", registry=events)
+        self.spec_accepted_tokens = Counter(p + "spec_decode_accepted_tokens", "Draft tokens accepted", registry=events)
+        self.spec_drafts_per_step = Histogram(p + "spec_decode_draft_tokens_per_step", "Draft tokens verified per step "
+                                              "(steps with drafts)", buckets=TOKEN_BUCKETS, registry=events)
+        self.spec_drafts = self.spec_accepted = 0
         registry.register(_WithoutCreated(events))
         registry.register(WorkerCollector(self, worker))
         if process:  # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
@@ -212,3 +221,9 @@ class Metrics:
         self.generation_tokens.inc(stats.generated_tokens)
         for t in stats.first_token_latencies:
             self.ttft.observe(t)
+        if stats.draft_tokens:
+            self.spec_draft_tokens.inc(stats.draft_tokens)
+            self.spec_accepted_tokens.inc(stats.accepted_tokens)
+            self.spec_drafts_per_step.observe(stats.draft_tokens)
+            self.spec_drafts += stats.draft_tokens
+            self.spec_accepted += stats.accepted_tokens
