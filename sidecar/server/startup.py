@@ -19,6 +19,7 @@ from typing import Any, Callable, TextIO
 from sidecar.worker import MLXWorker
 
 slog = logging.getLogger("sidecar.server")
+READY = "ready"  # reported once at the end, with the total
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Startup:
     """What the preload is doing now (None when it is not running) and how long each stage took.
 
     `report(stage, None)` is called when a stage begins, `report(stage, seconds)` when it ends,
-    `report(stage, nan)` when it failed."""
+    `report(stage, nan)` when it failed; preload ends with `report(READY, total seconds)`."""
 
     stage: str | None = None
     done: list[tuple[str, float]] = field(default_factory=list)
@@ -57,11 +58,13 @@ def progress_reporter(stream: TextIO | None = None) -> Callable[[str, float | No
 
     def report(stage: str, seconds: float | None) -> None:
         if slog.isEnabledFor(logging.INFO):
-            if seconds is not None and not math.isnan(seconds):
+            if seconds is not None and not math.isnan(seconds) and stage != READY:  # (preload logs its own)
                 slog.info("preload: %s took %.2fs", stage, seconds, extra={"stage": stage, "seconds": round(seconds, 3)})
         elif out.isatty():
             if seconds is None:
                 out.write(f"mlx-sidecar: {stage} ...")
+            elif stage == READY:
+                out.write(f"mlx-sidecar: ready in {seconds:.2f}s\n")
             else:
                 out.write(" failed\n" if math.isnan(seconds) else f" {seconds:.2f}s\n")
             out.flush()
@@ -107,4 +110,6 @@ def preload(worker: MLXWorker, after_each: Any = None, startup: Startup | None =
             st.report(st.stage, math.nan)  # failed: not in `done`
         st.stage = st._t0 = None  # the lifecycle is open again
     total = sum(s for _, s in st.done)
+    if st.report is not None:
+        st.report(READY, total)
     slog.info("preload: ready with %d KV blocks in %.2fs", worker.runner.num_blocks if worker.runner else 0, total)

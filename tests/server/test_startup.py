@@ -14,7 +14,7 @@ import pytest
 
 from sidecar.client import RemoteError, RemoteWorker
 from sidecar.config import Config
-from sidecar.server.startup import Startup, preload, progress_reporter
+from sidecar.server.startup import READY, Startup, preload, progress_reporter
 from sidecar.worker import MLXWorker
 from tests.server.serverproc import ROOT, _probe, free_port, spawn
 
@@ -85,11 +85,13 @@ def test_progress_shows_on_a_terminal_only_unless_info_logs_are_on(caplog: pytes
         report("warming up", 1.5)
         report("measuring memory", None)
         report("measuring memory", math.nan)
-    assert tty.getvalue() == "mlx-sidecar: warming up ... 1.50s\nmlx-sidecar: measuring memory ... failed\n"
+        report(READY, 3.0)
+    assert tty.getvalue() == ("mlx-sidecar: warming up ... 1.50s\nmlx-sidecar: measuring memory ... failed\n"
+                              "mlx-sidecar: ready in 3.00s\n")
     assert pipe.getvalue() == "" and not caplog.records
     caplog.set_level(logging.INFO, "sidecar.server")
     progress_reporter(tty)("measuring memory", 0.25)
-    assert tty.getvalue().count("\n") == 2  # the log line replaces it
+    assert tty.getvalue().count("\n") == 3  # the log line replaces it
     assert [r.getMessage() for r in caplog.records] == ["preload: measuring memory took 0.25s"]
 
 
@@ -105,7 +107,7 @@ def test_serve_preload_on_a_terminal_shows_each_stage_with_its_duration(home: st
     text = b""
     try:
         deadline = time.monotonic() + 60
-        while b"warming up ... " not in text or not text.endswith(b"s\r\n"):
+        while b"mlx-sidecar: ready in " not in text or not text.endswith(b"s\r\n"):
             assert time.monotonic() < deadline and proc.poll() is None, text
             if select.select([master], [], [], 0.1)[0]:
                 text += os.read(master, 4096)
@@ -114,7 +116,8 @@ def test_serve_preload_on_a_terminal_shows_each_stage_with_its_duration(home: st
         proc.wait(30)
         os.close(master)
     lines = text.decode().replace("\r\n", "\n").splitlines()
-    stages = [line.removeprefix("mlx-sidecar: ").rsplit(" ... ", 1) for line in lines if line.startswith("mlx-sidecar: ")]
+    assert lines[-1].startswith("mlx-sidecar: ready in ")
+    stages = [line.removeprefix("mlx-sidecar: ").rsplit(" ... ", 1) for line in lines if " ... " in line]
     assert [name for name, _ in stages][2:] == ["measuring memory", "allocating the cache", "warming up"], lines
     assert stages[1][0].endswith("loading the model")
     assert all(float(took.removesuffix("s")) >= 0 for _, took in stages)
@@ -125,6 +128,8 @@ def test_startup_records_each_stage_and_clears_on_failure(home: str) -> None:
     st = Startup(report=lambda stage, seconds: seen.append((stage, seconds)))
     w = MLXWorker(Config(model="builtin:tiny", home=home, max_num_batched_tokens=64, max_num_seqs=2))
     preload(w, startup=st)
+    assert seen[-1][0] == READY and seen[-1][1] == pytest.approx(sum(t for _, t in st.done))
+    seen.pop()
     began = [name for name, seconds in seen if seconds is None]
     seen = [(name, seconds) for name, seconds in seen if seconds is not None]
     names = [name for name, _ in seen]
