@@ -17,7 +17,8 @@ _HELP = {
     "auth_token_file": "file holding the bearer token required on /rpc/* (or MLX_SIDECAR_AUTH_TOKEN)",
     "allow_insecure": "allow a non-loopback bind without an auth token",
     "protect_metrics": "require the token on /metrics and /info too",
-    "preload": "run init_device .. compile_or_warm_up_model at start-up (the scheduler may still re-drive it)",
+    "preload": "run init_device .. compile_or_warm_up_model at start-up, showing each stage; RPCs get 503 "
+               "until it is done (then the scheduler may still re-drive it)",
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
