@@ -27,6 +27,8 @@ _HELP = {
     "prompt_lookup_min": "ngram: shortest suffix matched (default 2)",
     "prompt_lookup_max": "ngram: longest suffix matched (default 5)",
     "draft_model": "draft model for speculative decoding (builtin:<name> or an mlx-lm directory, same tokenizer)",
+    "max_live_requests": "requests the worker holds at once (default 1024; 400 past it)",
+    "max_req_id_len": "longest req_id in characters (default 256)",
 }
 
 

@@ -26,6 +26,7 @@ from sidecar.protocol import ModelRunnerOutput, check, get
 from sidecar.runner.kv_cache import DTYPES, KVPool, LayerSpec, dtype_name
 from sidecar.runner.model_runner import ModelRunner
 from sidecar.runner.requests import RequestState, Row
+from sidecar.limits import Limits, check_step_shape
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class MLXWorker:
     def init_device(self, config: dict | None = None) -> None:
         if config:
             try:
-                self.config = self.config.replace(**check(config, dict, "config"))
+                self.config = self.config.override(check(config, dict, "config"))
             except ConfigError as e:
                 raise ProtocolError(str(e), field=f"config.{e.key}") from None
         want = self.config.device
@@ -157,15 +158,21 @@ class MLXWorker:
     def load_model(self) -> None:
         from mlx_lm.utils import load_model
 
-        from sidecar.models import resolve_model
+        from sidecar.models import ModelNotFound, resolve_model
 
-        path = resolve_model(self.config.model, self.config.home)
-        model, config = load_model(path)
-        self.model, self.model_config, self.model_path = model, config, path
+        try:  # what fails here is the model directory the operator configured: 4xx, and no paths
+            path = resolve_model(self.config.model, self.config.home)
+            model, config = load_model(path)
+            self.model, self.model_config, self.model_path = model, config, path
+            specs, vocab, eos = self._layer_specs(), self._vocab_size(), self._eos_ids()
+        except Exception as e:  # noqa: BLE001
+            self.model, self.model_config, self.model_path = None, {}, None
+            why = "not found or not an mlx-lm model directory" if isinstance(e, ModelNotFound) else type(e).__name__
+            raise ProtocolError(f"the configured model cannot be loaded ({why})", field="config.model") from None
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         cap = self.config.max_model_len or min(int(config.get("max_position_embeddings") or 4096), 32768)
         self.runner = ModelRunner(
-            model, self._layer_specs(), vocab_size=self._vocab_size(), eos_token_ids=self._eos_ids(),
+            model, specs, vocab_size=vocab, eos_token_ids=eos,
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
         )
@@ -324,6 +331,9 @@ class MLXWorker:
     @lifecycle
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         assert self.runner is not None
+        # Bounds by shape first: a body that breaks one is rejected before anything walks it.
+        limits = Limits.of(self.config, self.runner.max_model_len, self.runner.vocab_size)
+        check_step_shape(scheduler_output, self.runner.requests, limits)
         return self.runner.execute_model(self.runner.decode(scheduler_output))
 
     @lifecycle
@@ -378,8 +388,8 @@ class MLXWorker:
     def sleep(self, level: int = 1) -> None:
         """Level 1 discards the KV cache (contents and request state); level 2 also frees the
         weights, reloaded from disk on wake_up. (On unified memory there is no host to offload to.)"""
-        if level not in (1, 2) or isinstance(level, bool):
-            raise ProtocolError(f"level must be 1 or 2, got {level!r}", field="level")
+        if check(level, int, "level") not in (1, 2):
+            raise ProtocolError(f"level must be 1 or 2, got {level}", field="level")
         assert self.runner is not None
         self._awake_state, self._sleep_blocks = self.state, self.runner.num_blocks
         self.runner.free()
