@@ -98,13 +98,14 @@ def test_sidecar_greedy_equals_mlx_lm_batched_chunked(make_worker, smollm2: Path
     oracle, tokenizer = mlx_lm_loaded  # plain mlx_lm.load of the converted directory
     w = make_worker("builtin:smollm2", num_blocks=64)
     assert w.get_model()["quantization"]["bits"] == 4
-    texts = ["The lighthouse keeper", "def fibonacci(n):\n    ", "Paris is the capital of"]
+    texts = ["The lighthouse keeper", "def fibonacci(n):\n    "]
     ps = [tokenizer.encode(t) for t in texts]
     d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
     for i, p in enumerate(ps):
         d.add(f"r{i}", p, {"temperature": 0.0, "logprobs": 0})
-    n = 5
-    got = d.run(n, chunk=4)  # prompts of 4-10 tokens: chunked prefill next to other rows' decodes
+    assert sorted(len(p) for p in ps) == [3, 7]
+    n = 4
+    got = d.run(n, chunk=4)  # the 7-token prompt's prefill runs in chunks next to the other's decodes
     for i, p in enumerate(ps):
         want, want_lp = mlx_lm_greedy(oracle, p, n)
         assert got[f"r{i}"] == want, f"prompt {texts[i]!r}"
