@@ -99,6 +99,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     worker = worker or MLXWorker(config)
     metrics_ = Metrics(registry or CollectorRegistry(), lambda: sc.worker)
     sc = Sidecar(config, worker, metrics_, token if token is not None else load_token(config))
+    if hasattr(worker, "metrics_collector"):  # scale-out: per-rank gauges (sidecar/distributed)
+        metrics_.registry.register(worker.metrics_collector())
     metrics_.instance = sc.instance
     sc.publish()  # before the MLX thread exists, this thread owns the worker
 
@@ -106,6 +108,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sc.loop = asyncio.get_running_loop()
         sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
+        if hasattr(worker, "attach_thread"):  # scale-out: a lost rank answers the call stuck on it
+            worker.attach_thread(sc.thread)
         if config.preload:
             sc.startup.stage = "initialising the device"  # before the socket is bound: no RPC can race the preload
             sc.startup.report = progress_reporter()
@@ -135,6 +139,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 raise MethodNotAllowed(f"{request.method} is not allowed; RPCs are POST /rpc/{method}")
             if sc.draining or sc.thread is None:
                 raise Unavailable("the worker is shutting down", retry_after=5)
+            if getattr(sc.worker, "unavailable", None):  # scale-out: a lost rank; do not queue behind a stuck collective
+                raise Unavailable(sc.worker.unavailable, retry_after=5)  # type: ignore[attr-defined]
             if (stage := sc.startup.stage) is not None:
                 raise Unavailable(f"starting: {stage} (serve --preload is bringing the worker up; "
                                   "wait for /readyz)", retry_after=2)
@@ -203,6 +209,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             body["preload_error"] = sc.preload_error
         if sc.startup.stage is not None:
             body["starting"] = sc.startup.stage
+        if hasattr(w, "group_status"):  # scale-out: which rank is lost
+            body["group"] = w.group_status()
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def info(request: Request) -> Response:
@@ -322,7 +330,7 @@ async def _drain(sc: Sidecar) -> None:
         sc.clean_shutdown = False
 
 
-def serve(config: Config) -> int:
+def serve(config: Config, worker: MLXWorker | None = None) -> int:
     """Run until SIGTERM/SIGINT. Exit status: 0 after a clean shutdown, 1 when the shutdown
     timeout ran out (or a second SIGINT forced it), 2 for a configuration refused at start-up."""
     import uvicorn
@@ -341,7 +349,7 @@ def serve(config: Config) -> int:
         return 2
     if token is not None:
         add_secret(token)
-    app = create_app(config, token=token)
+    app = create_app(config, token=token, worker=worker)
     sc: Sidecar = app.state.sidecar
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                         timeout_graceful_shutdown=max(0.1, config.shutdown_timeout),  # type: ignore[arg-type]
