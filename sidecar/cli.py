@@ -10,14 +10,15 @@ from typing import Any, Sequence
 from sidecar.config import Config, ConfigError, from_env
 
 _HELP = {
-    "model": "builtin:tiny | builtin:tiny-qwen3 | builtin:small | path to an mlx-lm model directory",
+    "model": "builtin:tiny | builtin:tiny-qwen3 | builtin:small | builtin:smollm2 (real, 4-bit) | path to an mlx-lm model directory",
     "kv_dtype": "KV cache dtype: auto (the model's), float16, bfloat16, float32",
     "device": "auto (GPU when Metal/CUDA is available), gpu, cpu",
     "uds": "serve on this Unix socket (mode 0600) instead of TCP",
     "auth_token_file": "file holding the bearer token required on /rpc/* (or MLX_SIDECAR_AUTH_TOKEN)",
     "allow_insecure": "allow a non-loopback bind without an auth token",
     "protect_metrics": "require the token on /metrics and /info too",
-    "preload": "run init_device .. compile_or_warm_up_model at start-up (the scheduler may still re-drive it)",
+    "preload": "run init_device .. compile_or_warm_up_model at start-up, showing each stage; RPCs get 503 "
+               "until it is done (then the scheduler may still re-drive it)",
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--auth-token-file", default=None)
     gen.add_argument("--model", default=None, help="tokenizer source (default: the model the server reports)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the model's chat template to the prompt (default: when the model has one)")
     gen.add_argument("--speculative", choices=["none", "ngram"], default="none",
                      help="ngram: speculative decoding with prompt-lookup drafts (the worker's proposer when the "
                           "server runs one, else proposed here); the output is the same, in fewer steps")

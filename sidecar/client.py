@@ -9,7 +9,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from typing import Any
+import time
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 import msgpack
@@ -135,6 +136,51 @@ class RemoteWorker:
         if resp.status != 200:
             raise RemoteError(resp.status, "http_error", data[:200].decode(errors="replace"), None)
         return json.loads(data)
+
+    def readyz(self) -> tuple[int, dict]:
+        """GET /readyz: (status, body); the body names `state`, and `starting` while preloading."""
+        conn = self._connection()
+        conn.request("GET", "/readyz")
+        resp = conn.getresponse()
+        data = resp.read()
+        try:
+            body = json.loads(data)
+        except ValueError:
+            raise RemoteError(resp.status, "http_error", data[:200].decode(errors="replace"), None) from None
+        return resp.status, body
+
+    def wait_while_starting(self, on_stage: Callable[[str], None] | None = None, timeout: float | None = None,
+                            connect_timeout: float = 30.0, poll: float = 0.25) -> dict:
+        """While the server brings itself up (`serve --preload`), poll /readyz; returns its last body
+        (ready, or idle for the caller to drive). `on_stage` sees what it waits for, as it changes. A failed preload
+        or `timeout` (default: the client's) raises RemoteError 503; a server that refuses
+        connections for `connect_timeout` (it may still be importing) raises the OSError."""
+        t0 = time.monotonic()
+        deadline = t0 + (self.timeout if timeout is None else timeout)
+        seen = None
+        while True:
+            try:
+                _, body = self.readyz()
+            except (ConnectionRefusedError, FileNotFoundError):
+                self.close()
+                if time.monotonic() - t0 > connect_timeout:
+                    raise
+                if seen is None and on_stage is not None:
+                    on_stage(f"not accepting connections at {self.url} yet")
+                seen = ""
+                time.sleep(poll)
+                continue
+            if body.get("preload_error"):
+                raise RemoteError(503, "preload_failed", f"the server's preload failed: {body['preload_error']}", None)
+            stage = body.get("starting")
+            if stage is None:
+                return body
+            if stage != seen and on_stage is not None:
+                on_stage(f"starting: {stage}")
+            seen = stage
+            if time.monotonic() > deadline:
+                raise RemoteError(503, "unavailable", f"the server was still starting ({stage}) after the wait", None)
+            time.sleep(poll)
 
     # --- the MLXWorker interface --------------------------------------------------------------
 

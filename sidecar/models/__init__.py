@@ -8,6 +8,7 @@ from sidecar.models.builtin import (
     BuiltinSpec,
     ModelNotFound,
     cache_home,
+    needs_building,
     resolve_model,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "BuiltinSpec",
     "ModelNotFound",
     "cache_home",
+    "needs_building",
     "resolve_model",
 ]

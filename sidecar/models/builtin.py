@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -151,10 +151,14 @@ def resolve_model(name: str, home: str | None = None) -> Path:
     """A model directory for ``name``: ``builtin:<n>`` (generated on first use) or a local path."""
     if name.startswith(BUILTIN_PREFIX):
         builtin = name[len(BUILTIN_PREFIX) :]
+        from sidecar.models import gguf  # (it builds on this module)
+
+        if builtin in gguf.GGUF_MODELS:
+            return gguf.ensure_gguf(builtin, home)
         if builtin not in BUILTIN_MODELS:
             raise ModelNotFound(
                 f"unknown built-in model {name!r}; available: "
-                + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
+                + ", ".join(BUILTIN_PREFIX + n for n in [*BUILTIN_MODELS, *gguf.GGUF_MODELS])
             )
         return ensure_builtin(builtin, home)
     path = Path(name).expanduser()
@@ -169,11 +173,28 @@ def resolve_model(name: str, home: str | None = None) -> Path:
     return path.resolve()
 
 
-def ensure_builtin(name: str, home: str | None = None) -> Path:
-    """Return the complete directory of built-in ``name``, generating it once if needed."""
-    spec = BUILTIN_MODELS[name]
+def needs_building(name: str, home: str | None = None) -> bool:
+    """True when resolving ``name`` would generate a built-in first (it is not on disk yet)."""
+    from sidecar.models.gguf import GGUF_MODELS
+
+    builtin = name.removeprefix(BUILTIN_PREFIX)
+    spec = BUILTIN_MODELS.get(builtin) or GGUF_MODELS.get(builtin)
+    if not name.startswith(BUILTIN_PREFIX) or spec is None:
+        return False
+    target = cache_home(home) / "models" / f"{builtin}-v{spec.version}"
+    return not (target / MARKER).is_file()
+
+
+def ensure_builtin(name: str, home: str | None = None, *, version: int | None = None,
+                   write: Callable[[str, Path], None] | None = None) -> Path:
+    """Return the complete directory of built-in ``name``, generating it once if needed.
+
+    ``version`` and ``write`` (which fills the temporary directory, marker last) default to the
+    generated built-ins'; the GGUF-converted ones (models/gguf.py) pass their own."""
+    version = BUILTIN_MODELS[name].version if version is None else version
+    write = write or write_builtin
     models = cache_home(home) / "models"
-    target = models / f"{name}-v{spec.version}"
+    target = models / f"{name}-v{version}"
     if (target / MARKER).is_file():
         return target
     models.mkdir(parents=True, exist_ok=True)
@@ -192,7 +213,7 @@ def ensure_builtin(name: str, home: str | None = None) -> Path:
         try:
             log.info("generating builtin:%s (first use) in %s", name, target)
             t0 = time.perf_counter()
-            write_builtin(name, tmp)
+            write(name, tmp)
             try:
                 os.rename(tmp, target)
             except OSError:

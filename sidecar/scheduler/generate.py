@@ -1,7 +1,8 @@
 """`mlx-sidecar generate`: the reference scheduler over RemoteWorker, streaming text to stdout.
 
 It brings a fresh worker up to `ready` itself (the calls a scheduler makes at start-up), so
-`make serve` followed by one `generate` shows the whole loop working.
+`make serve` followed by one `generate` shows the whole loop working. A server still bringing
+itself up (`serve --preload`) is waited for instead, never raced.
 """
 
 from __future__ import annotations
@@ -13,7 +14,24 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sidecar.client import RemoteError, RemoteWorker
+from sidecar.scheduler.chat import prompt_ids
 from sidecar.scheduler.scheduler import Event, Request, Scheduler, prefix_caching_offered, run
+
+
+def wait_and_bring_up(worker: RemoteWorker, say: Callable[[str], None], max_blocks: int = 8192) -> None:
+    """Wait out a server's own preload (showing each stage), else drive the lifecycle ourselves."""
+    def waiting(what: str) -> None:
+        say(f"waiting for the server ({what})")
+
+    body = worker.wait_while_starting(waiting)
+    if body.get("ready"):
+        return
+    try:
+        bring_up(worker, body.get("state", ""), max_blocks)
+    except RemoteError as e:
+        if not (e.status == 503 and e.message.startswith("starting:")):
+            raise
+        worker.wait_while_starting(waiting)
 
 
 def bring_up(worker: RemoteWorker, state: str, max_blocks: int = 8192) -> None:
@@ -74,7 +92,7 @@ def generate_cli(args: argparse.Namespace) -> int:
              else os.environ.get("MLX_SIDECAR_AUTH_TOKEN", "").strip() or None)
     worker = RemoteWorker(args.url, token=token)
     try:
-        bring_up(worker, worker.info()["state"])
+        wait_and_bring_up(worker, lambda line: print(f"mlx-sidecar generate: {line}", file=sys.stderr, flush=True))
         info = worker.info()
         model = worker.get_model()
         tok = load_tokenizer(args.model or model["path"])
@@ -84,7 +102,7 @@ def generate_cli(args: argparse.Namespace) -> int:
         sampling: dict = {"temperature": args.temperature}
         if args.seed is not None:
             sampling["seed"] = args.seed
-        prompt = tok.encode(args.prompt).ids
+        prompt = prompt_ids(tok, args.model or model["path"], args.prompt, getattr(args, "chat", None))
         sched.add_request(Request("generate-0", prompt, sampling, max_tokens=args.max_tokens))
         printer = StreamPrinter(lambda ids: tok.decode(ids, skip_special_tokens=True))
         run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer,
@@ -95,7 +113,7 @@ def generate_cli(args: argparse.Namespace) -> int:
             print(f"speculative: {sched.num_accepted_tokens}/{sched.num_draft_tokens} drafts accepted ({rate:.0%})",
                   file=sys.stderr)
         return 0
-    except (RemoteError, OSError) as e:
+    except (RemoteError, OSError, ValueError) as e:  # ValueError: --chat without a template, a bad template
         print(f"mlx-sidecar generate: {e}", file=sys.stderr)
         return 1
     finally:

@@ -44,6 +44,7 @@ from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_to
 from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
+from sidecar.server.startup import Startup, preload, progress_reporter
 from sidecar.steps import StepLedger, fingerprint
 from sidecar.worker import MLXWorker, State
 
@@ -66,6 +67,7 @@ class Sidecar:
     deadline: float | None = None  # monotonic time by which shutdown must be complete
     clean_shutdown: bool = True
     preload_error: str | None = field(default=None)
+    startup: Startup = field(default_factory=Startup)  # the preload's running stage, if any
     instance: Instance = field(default_factory=Instance)
     steps: StepLedger = field(default_factory=StepLedger)
     _dropped_queued: bool = False
@@ -109,6 +111,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         if hasattr(worker, "attach_thread"):  # scale-out: a lost rank answers the call stuck on it
             worker.attach_thread(sc.thread)
         if config.preload:
+            sc.startup.stage = "initialising the device"  # before the socket is bound: no RPC can race the preload
+            sc.startup.report = progress_reporter()
             sc.thread.submit(lambda: _preload(sc))
         try:
             yield
@@ -137,6 +141,9 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 raise Unavailable("the worker is shutting down", retry_after=5)
             if getattr(sc.worker, "unavailable", None):  # scale-out: a lost rank; do not queue behind a stuck collective
                 raise Unavailable(sc.worker.unavailable, retry_after=5)  # type: ignore[attr-defined]
+            if (stage := sc.startup.stage) is not None:
+                raise Unavailable(f"starting: {stage} (serve --preload is bringing the worker up; "
+                                  "wait for /readyz)", retry_after=2)
             if in_type and in_type not in MSGPACK_TYPES and in_type != JSON_TYPE:
                 raise UnsupportedMediaType(f"content type {in_type[:64]!r} is not msgpack or JSON")
             body = await _read_body(request, config.max_body_bytes)
@@ -195,11 +202,13 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def readyz(request: Request) -> Response:
         w = sc.worker
         state = w.state
-        ready = state in (State.CACHE_READY, State.READY) and w.healthy and not sc.draining
+        ready = state in (State.CACHE_READY, State.READY) and w.healthy and not sc.draining and sc.startup.stage is None
         body = {"ready": ready, "state": state.value, "healthy": w.healthy, "draining": sc.draining,
                 "instance_id": sc.instance.id}
         if sc.preload_error:
             body["preload_error"] = sc.preload_error
+        if sc.startup.stage is not None:
+            body["starting"] = sc.startup.stage
         if hasattr(w, "group_status"):  # scale-out: which rank is lost
             body["group"] = w.group_status()
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -215,6 +224,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
             "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
+            "starting": sc.startup.stage,
             "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"
         })
 
@@ -275,30 +285,11 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
 
 def _preload(sc: Sidecar) -> None:
     try:
-        preload(sc.worker, after_each=sc.publish)
+        preload(sc.worker, after_each=sc.publish, startup=sc.startup)
     except Exception as e:  # noqa: BLE001 - reported by /readyz; the scheduler may still drive the lifecycle
         sc.preload_error = f"{type(e).__name__}: {e}"
         sc.metrics.observe_error("preload")
         slog.exception("preload failed")
-
-
-def preload(worker: MLXWorker, after_each: Any = None) -> None:
-    """Drive the lifecycle to `ready` with a pool sized for max_num_seqs full-length requests."""
-    cfg = worker.config
-    step = after_each or (lambda: None)
-    worker.init_device()
-    step()
-    worker.load_model()
-    step()
-    free = worker.determine_available_memory()
-    per_block = worker.get_cache_block_size_bytes()
-    assert worker.runner is not None
-    want = -(-worker.runner.max_model_len // cfg.block_size) * cfg.max_num_seqs
-    worker.initialize_cache(max(1, min(free // per_block, want)), 0)
-    step()
-    worker.compile_or_warm_up_model()
-    worker.check_health()
-    slog.info("preload: ready with %d KV blocks", worker.runner.num_blocks if worker.runner else 0)
 
 
 async def exit_when_idle(sc: Sidecar, server: Any) -> None:

@@ -19,14 +19,26 @@ def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> Non
         want_ids = want_ids[: want_ids.index(1) + 1]
     want = tok.decode(want_ids, skip_special_tokens=True)
     with start_server() as s:
-        out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12", prompt],
+        out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12", "--no-chat", prompt],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout == want + "\n"
         assert want.strip()
         again = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12",
-                                "--temperature", "1.0", "--seed", "5", prompt], capture_output=True, text=True, timeout=120)
+                                "--temperature", "1.0", "--seed", "5", "--no-chat", prompt], capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and again.stdout != out.stdout
+
+
+def test_generate_answers_a_question_with_the_real_model_and_its_chat_template(home: str) -> None:
+    """`mlx-sidecar generate "What is the capital of France?"` on builtin:smollm2: a sensible answer."""
+    question = "What is the capital of France?"
+    # A small profile run: on the CPU backend each prompt token costs ~a decode step of this model.
+    flags = ["--model", "builtin:smollm2", "--preload", "--max-num-batched-tokens", "8", "--max-num-seqs", "1"]
+    with start_server(*flags, timeout=300) as s:
+        out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "7", question],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert "Paris" in out.stdout, out.stdout
 
 
 def test_generate_with_ngram_speculation_prints_the_same_text(home: str, oracle_model) -> None:
@@ -44,7 +56,7 @@ def test_generate_with_ngram_speculation_prints_the_same_text(home: str, oracle_
     with start_server("--speculative-method", "ngram", "--prompt-lookup-min", "1", "--max-num-batched-tokens", "64",
                       "--max-num-seqs", "4") as s:  # small profile-run shapes: a quick start
         out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "40",
-                              "--speculative", "ngram", prompt], capture_output=True, text=True, timeout=120)
+                              "--speculative", "ngram", "--no-chat", prompt], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout == want + "\n"
         assert "drafts accepted" in out.stderr
