@@ -1,14 +1,15 @@
 """The paged KV block pool and the attention cache adapter that unmodified mlx-lm models accept.
 
-Each layer owns a flat slot pool `[num_blocks * block_size + 1, num_kv_heads, head_dim]` for K and
-for V, allocated once. The extra last slot is a sink for the writes of padding positions, so a
+Each layer owns a slot pool `[num_kv_heads, num_blocks * block_size + 1, head_dim]` for K and
+for V, allocated once (head-major, so a run of slots reads in place: attention.py). The extra last slot is a sink for the writes of padding positions, so a
 padded batch never touches a real block. Slot of position p of a request:
 `block_ids[p // block_size] * block_size + p % block_size` (vLLM's slot mapping).
 
 Per step the runner builds one `BatchLayout` (slots to write, slots to gather, per-row offsets
 and the mask); every layer's `PagedCache` scatters its new K/V into its pool in place (MLX
 donates the pool buffer: the step never copies it, so step cost does not grow with the pool),
-gathers each row's blocks and lets the model run `mx.fast.scaled_dot_product_attention`.
+reads each row's blocks (a slice of the pool when they are one run, else a gather: attention.py)
+and lets the model run `mx.fast.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from sidecar.runner import attention
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -57,8 +60,8 @@ class KVPool:
         self.block_size = specs[0].block_size
         self.sink = num_blocks * self.block_size  # the padding slot
         slots = self.sink + 1
-        self.keys = [mx.zeros((slots, s.num_kv_heads, s.head_size), DTYPES[s.dtype]) for s in specs]
-        self.values = [mx.zeros((slots, s.num_kv_heads, s.head_size_v), DTYPES[s.dtype]) for s in specs]
+        self.keys = [mx.zeros((s.num_kv_heads, slots, s.head_size), DTYPES[s.dtype]) for s in specs]
+        self.values = [mx.zeros((s.num_kv_heads, slots, s.head_size_v), DTYPES[s.dtype]) for s in specs]
         mx.eval(self.keys, self.values)
 
     @property
@@ -75,7 +78,7 @@ class BatchLayout:
 
     offsets: mx.array  # [B] start positions (RoPE offsets)
     write_slots: mx.array  # [B * L]
-    read_slots: mx.array  # [B, K]: every row's blocks, K a multiple of block_size
+    reads: attention.ReadPlan  # every row's blocks: K slots, a multiple of block_size (or the context)
     query_pos: mx.array  # [B, L]
     ctx_lens: mx.array  # [B]
     # Every row has the same context and length: the read is cut to exactly the context and the
@@ -99,22 +102,20 @@ class BatchLayout:
         valid = np.arange(L)[None, :] < n[:, None]
         blk = np.take_along_axis(table, np.minimum(pos // block_size, nblk - 1), axis=1)
         write = np.where(valid, blk * block_size + pos % block_size, sink)
-        read = (table[:, :, None] * block_size + np.arange(block_size)).reshape(B, nblk * block_size)
         uniform = bool((ctx == ctx[0]).all() and (n == L).all())
-        if uniform:
-            read = read[:, : int(ctx[0])]
+        reads = attention.plan_reads(table, ctx, block_size, int(ctx[0]) if uniform else nblk * block_size, sink + 1)
         return cls(
             offsets=mx.array(starts_np.astype(np.int32)), write_slots=mx.array(write.reshape(-1).astype(np.int32)),
-            read_slots=mx.array(read.astype(np.int32)), query_pos=mx.array(pos.astype(np.int32)),
+            reads=reads, query_pos=mx.array(pos.astype(np.int32)),
             ctx_lens=mx.array(ctx.astype(np.int32)), uniform=uniform,
         )
 
     def mask(self, window: int | None = None) -> mx.array | str | None:
         """[B, 1, L, K] bool. Padding queries see the row's whole context, so no row is all-masked."""
-        if self.uniform and (window is None or window >= self.read_slots.shape[1]):
+        if self.uniform and (window is None or window >= self.reads.length):
             return None if self.query_pos.shape[1] == 1 else "causal"
         if window not in self._masks:
-            keys = mx.arange(self.read_slots.shape[1])[None, None, :]
+            keys = mx.arange(self.reads.length)[None, None, :]
             q = self.query_pos[:, :, None]
             m = (keys <= q) & (keys < self.ctx_lens[:, None, None])
             if window:
@@ -135,16 +136,9 @@ class PagedCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         pool, i, lay = self.pool, self.layer, self.layout
-        B, H, L, _ = keys.shape
-        kp, vp = pool.keys[i], pool.values[i]
-        kp[lay.write_slots] = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1).astype(kp.dtype)
-        vp[lay.write_slots] = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1).astype(vp.dtype)
-        pool.keys[i], pool.values[i] = kp, vp
-        k = kp[lay.read_slots].transpose(0, 2, 1, 3)
-        v = vp[lay.read_slots].transpose(0, 2, 1, 3)
-        if k.dtype != keys.dtype:
-            k, v = k.astype(keys.dtype), v.astype(values.dtype)
-        return k, v
+        pool.keys[i] = attention.write(pool.keys[i], lay.write_slots, keys)
+        pool.values[i] = attention.write(pool.values[i], lay.write_slots, values)
+        return attention.read(pool.keys[i], lay.reads, keys.dtype), attention.read(pool.values[i], lay.reads, values.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         return self.layout.mask(window_size)

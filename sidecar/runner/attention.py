@@ -1,0 +1,80 @@
+"""The paged cache's read and write paths: where a batch's K/V go in the pool and come from.
+
+The pool of one layer is head-major, `[num_kv_heads, slots, head_dim]` (slot as in
+kv_cache.py: `block * block_size + offset`), so a run of consecutive slots is, for every head,
+one contiguous stretch of memory: exactly the layout of mlx-lm's own KVCache buffer
+(`[B, H, T, D]`, read as `keys[..., :offset, :]`). A row whose blocks are one run of consecutive
+block ids (what a block allocator hands out most of the time: the reference scheduler's does for
+a stream on a fresh or recycled pool) is then read in place: a slice of the pool, no copy, no
+gather, and `mx.fast.scaled_dot_product_attention` reads it as it reads mlx-lm's cache.
+
+Everything else (a batch of several rows, or a row whose blocks are scattered) is gathered once
+per layer into a contiguous `[B, H, K, D]`. (Token-major K/V, `[B, K, H, D]` transposed, is a
+strided input that MLX's GQA attention handles several times slower than a contiguous one: that,
+not the gather itself, was most of the long-context cost.)
+
+`ReadPlan` is computed once per step from the block tables (numpy, no MLX work per layer beyond
+the read itself); `write` and `read` are what `PagedCache.update_and_fetch` calls. A fused
+paged-attention kernel (Metal) would replace `read` + attention behind the same seam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How every layer reads this batch's keys: K slots per row, `[B, H, K, D]`."""
+
+    length: int  # K
+    start: int | None  # one row, one run: its first slot (read as a slice)
+    slots: mx.array | None  # otherwise: [B, K] slots gathered
+    _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]
+
+    @property
+    def in_place(self) -> bool:
+        return self.start is not None
+
+
+def plan_reads(table: np.ndarray, ctx: np.ndarray, block_size: int, length: int, num_slots: int) -> ReadPlan:
+    """table [B, nblk] block ids (short tables padded, those entries masked), ctx [B] context
+    lengths, `length` slots read per row (a multiple of block_size, or exactly the context when
+    every row has the same), `num_slots` in the pool (padding sink included)."""
+    if table.shape[0] == 1:
+        n = -(-int(ctx[0]) // block_size)  # blocks holding context; the rest of the read is masked
+        row = table[0, :n]
+        start = int(row[0]) * block_size
+        if start + length <= num_slots and (n < 2 or bool((np.diff(row) == 1).all())):
+            return ReadPlan(length, start, None)
+    nblk = -(-length // block_size)
+    slots = (table[:, :nblk, None] * block_size + np.arange(block_size)).reshape(table.shape[0], -1)[:, :length]
+    return ReadPlan(length, None, mx.array(slots.astype(np.int32)))
+
+
+def write(pool: mx.array, slots: mx.array, new: mx.array) -> mx.array:
+    """Scatter new [B, H, L, D] into the pool [H, S, D] at slots [B * L]; returns the pool (updated
+    in place: MLX donates its buffer when nothing else holds it)."""
+    B, H, L, D = new.shape
+    if new.dtype != pool.dtype:
+        new = new.astype(pool.dtype)
+    pool[:, slots] = new.reshape(H, L, D) if B == 1 else new.swapaxes(0, 1).reshape(H, B * L, D)
+    return pool
+
+
+def read(pool: mx.array, plan: ReadPlan, dtype: mx.Dtype) -> mx.array:
+    """The batch's keys or values, [B, H, K, D] contiguous per head (a view of the pool when in place)."""
+    if plan.start is not None:
+        out = pool[None, :, plan.start : plan.start + plan.length]
+    else:
+        # One gather whose result is already [B, H, K, D] row-major: index the pool's heads and
+        # slots as one flat axis.
+        H, S, D = pool.shape
+        idx = plan._index.get((H, S))
+        if idx is None:  # once per step for all layers of one shape
+            idx = plan._index[H, S] = plan.slots[:, None, :] + (mx.arange(H, dtype=mx.int32) * S)[None, :, None]  # type: ignore[index]
+        out = pool.reshape(H * S, D)[idx]
+    return out if out.dtype == dtype else out.astype(dtype)
