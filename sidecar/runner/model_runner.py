@@ -19,7 +19,8 @@ import numpy as np
 
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from sidecar.runner.lora import LoRAManager
-from sidecar.runner.kv_cache import BatchLayout, KVPool, LayerSpec, PagedCache
+from sidecar.runner.kv_cache import KVPool, LayerSpec, PagedCache
+from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs
 
@@ -105,6 +106,7 @@ class ModelRunner:
         self.lora = LoRAManager(model, lora_dir, max_loras)
         self.decode_ahead = decode_ahead
         self._ahead: _Ahead | None = None
+        self._layouts = LayoutBuilder()
         self.ahead_hits = self.ahead_misses = 0
 
     def set_model(self, model: nn.Module) -> None:
@@ -180,7 +182,8 @@ class ModelRunner:
             return None
         nxt = [Row(rows[i].state, rows[i].end, [0], rows[i].block_ids, True) for i in idx]
         last: list[mx.array | None] = [None] * len(nxt)
-        self._forward(nxt, list(range(len(nxt))), last, {}, tokens=tokens[mx.array(idx)][:, None])
+        nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
+        self._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
         logits = mx.concatenate(last, axis=0)  # type: ignore[arg-type]
         mx.async_eval(logits, self.pool.arrays())  # type: ignore[union-attr]
         return idx, logits
@@ -279,8 +282,8 @@ class ModelRunner:
             for b, r in enumerate(rows):
                 ids[b, : lengths[b]] = r.token_ids
             tokens = mx.array(ids)
-        layout = BatchLayout.build([r.start for r in rows], lengths, [r.block_ids for r in rows],
-                                   pool.block_size, pool.sink)
+        layout = self._layouts.build([r.start for r in rows], lengths, [r.block_ids for r in rows],
+                                     pool.block_size, pool.sink)
         # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
         select: list[int] = []
         last_at: list[int] = []
@@ -294,7 +297,7 @@ class ModelRunner:
                 select.extend(b * L + i for i in range(hi - r.start))
             last_at.append(len(select))
             select.append(b * L + lengths[b] - 1)
-        index = mx.array(np.asarray(select, np.int32))
+        index = mx.array(select, dtype=mx.int32)
         caches = [PagedCache(pool, i, layout) for i in range(len(pool.specs))]
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
