@@ -41,6 +41,8 @@ GOALS = (
          "{sampling_mixed_step_ms:.1f} / {sampling_greedy_step_ms:.1f} ms", "-"),
     Goal("tiny_single_stream_ratio", "single stream, {tiny_model}", ">=", 0.9,
          "{tiny_single_stream_sidecar_tok_s:.1f} tok/s", "{tiny_single_stream_mlx_lm_tok_s:.1f} tok/s"),
+    Goal("tiny_single_stream_cpu_ratio", "  same, CPU per token (mlx-lm / sidecar)", "", math.nan,
+         "{tiny_single_stream_sidecar_cpu_ms_per_token:.3f} ms", "{tiny_single_stream_mlx_lm_cpu_ms_per_token:.3f} ms"),
     Goal("long_ctx_1024_ratio", "decode at 1k context, {long_model}", "", math.nan,
          "{long_ctx_1024_sidecar_tok_s:.1f} tok/s", "{long_ctx_1024_mlx_lm_tok_s:.1f} tok/s"),
     Goal("long_ctx_4096_ratio", "decode at 4k context, {long_model}", ">=", 0.9,
@@ -117,9 +119,10 @@ def sweep_table(sweep: dict[str, list[float]]) -> str:
 
 
 def curve_table(curve: dict[str, list[float]]) -> str:
-    lines = ["    context  sidecar tok/s  mlx-lm tok/s  ratio"]
-    for c, s, m, r in zip(curve["context"], curve["sidecar_tok_s"], curve["mlx_lm_tok_s"], curve["ratio"]):
-        lines.append(f"{c:>11.0f}  {s:>13.2f}  {m:>12.2f}  {r:>5.2f}")
+    lines = ["    context  sidecar tok/s  mlx-lm tok/s  ratio  cpu ratio"]
+    cpu = curve.get("cpu_ratio") or [math.nan] * len(curve["context"])
+    for c, s, m, r, u in zip(curve["context"], curve["sidecar_tok_s"], curve["mlx_lm_tok_s"], curve["ratio"], cpu):
+        lines.append(f"{c:>11.0f}  {s:>13.2f}  {m:>12.2f}  {r:>5.2f}  {u:>9.2f}")
     return "\n".join(lines)
 
 
