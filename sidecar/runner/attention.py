@@ -74,7 +74,8 @@ def read(pool: mx.array, plan: ReadPlan, dtype: mx.Dtype) -> mx.array:
         # slots as one flat axis.
         H, S, D = pool.shape
         idx = plan._index.get((H, S))
-        if idx is None:  # once per step for all layers of one shape
-            idx = plan._index[H, S] = plan.slots[:, None, :] + (mx.arange(H, dtype=mx.int32) * S)[None, :, None]  # type: ignore[index]
+        if idx is None:  # once per plan for all layers of one shape
+            heads = (mx.arange(H, dtype=mx.int32) * S)[None, :, None]
+            idx = plan._index[H, S] = plan.slots[:, None, :] + heads  # type: ignore[index]
         out = pool.reshape(H * S, D)[idx]
     return out if out.dtype == dtype else out.astype(dtype)

@@ -1,8 +1,9 @@
 """The paged KV block pool and the attention cache adapter that unmodified mlx-lm models accept.
 
 Each layer owns a slot pool `[num_kv_heads, num_blocks * block_size + 1, head_dim]` for K and
-for V, allocated once (head-major, so a run of slots reads in place: attention.py). The extra last slot is a sink for the writes of padding positions, so a
-padded batch never touches a real block. Slot of position p of a request:
+for V, allocated once (head-major, so a run of slots reads in place: attention.py). The extra
+last slot is a sink for the writes of padding positions, so a padded batch never touches a real
+block. Slot of position p of a request:
 `block_ids[p // block_size] * block_size + p % block_size` (vLLM's slot mapping).
 
 Per step the runner builds one `BatchLayout` (slots to write, slots to gather, per-row offsets

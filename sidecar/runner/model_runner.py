@@ -184,7 +184,7 @@ class ModelRunner:
         last: list[mx.array | None] = [None] * len(nxt)
         nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
         self._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
-        logits = mx.concatenate(last, axis=0)  # type: ignore[arg-type]
+        logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
         mx.async_eval(logits, self.pool.arrays())  # type: ignore[union-attr]
         return idx, logits
 
@@ -216,7 +216,7 @@ class ModelRunner:
         for group in [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]:
             if group:
                 self._forward([rows[i] for i in group], group, last, prompt_lp)
-        logits = mx.concatenate([x for x in last], axis=0)  # type: ignore[misc]
+        logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
         started = None
         if start_ahead and all(_plain_greedy(r) for r in rows):
             # Sample lazily and queue the next step's forward behind it before waiting.
