@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ serve: install
 test: install
 	sh scripts/ensure-prometheus.sh
 	$(PY) -m pytest -q $(ARGS)
+
+# The long run of the HTTP fuzz test (make test runs 20,000 mutants).
+FUZZ_N ?= 200000
+FUZZ_SEED ?= 9
+fuzz: install
+	MLX_SIDECAR_FUZZ_N=$(FUZZ_N) MLX_SIDECAR_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q tests/server/test_fuzz.py
 
 bench: install
 	$(VENV)/bin/mlx-sidecar bench $(ARGS)

@@ -21,6 +21,13 @@ _HELP = {
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
+    "speculative_method": "none (default) | ngram (prompt lookup) | draft_model: the worker proposes drafts",
+    "num_speculative_tokens": "drafts per request per step (default 3)",
+    "prompt_lookup_min": "ngram: shortest suffix matched (default 2)",
+    "prompt_lookup_max": "ngram: longest suffix matched (default 5)",
+    "draft_model": "draft model for speculative decoding (builtin:<name> or an mlx-lm directory, same tokenizer)",
+    "max_live_requests": "requests the worker holds at once (default 1024; 400 past it)",
+    "max_req_id_len": "longest req_id in characters (default 256)",
 }
 
 
@@ -58,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--auth-token-file", default=None)
     gen.add_argument("--model", default=None, help="tokenizer source (default: the model the server reports)")
+    gen.add_argument("--speculative", choices=["none", "ngram"], default="none",
+                     help="ngram: speculative decoding with prompt-lookup drafts (the worker's proposer when the "
+                          "server runs one, else proposed here); the output is the same, in fewer steps")
+    gen.add_argument("--num-speculative-tokens", type=int, default=3)
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against mlx-lm side by side")
     bench.add_argument("--model", default="builtin:small")

@@ -48,9 +48,25 @@ class UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+# A reply lost on the way: the call may or may not have run.
+_LOST = (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest, http.client.IncompleteRead,
+         http.client.BadStatusLine, BrokenPipeError, TimeoutError, socket.timeout)
+
+
 class RemoteWorker:
-    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 600.0):
+    """`number_steps`: send `step_id` with every execute_model (1, 2, ...) and resend a step whose
+    reply was lost (connection reset, timeout) up to `resends` times; the server answers a resend
+    of the step it applied last from its cache, so nothing is applied twice (docs/protocol.md,
+    "Exactly-once steps"). `pin_instance`: send the server instance id seen on the first reply
+    with every later call, so a restarted server answers 409 instead of acting on a fresh state."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 600.0, *,
+                 number_steps: bool = False, resends: int = 3, pin_instance: bool = False):
         self.url, self.timeout = url, timeout
+        self.number_steps, self.resends, self.pin_instance = number_steps, resends, pin_instance
+        self.next_step_id = 1
+        self.instance_id: str | None = None  # X-Sidecar-Instance of the last reply
+        self.resent = 0  # steps resent after a lost reply, for the curious
         self._headers = {"content-type": MSGPACK, "accept": MSGPACK}
         if token:
             self._headers["authorization"] = f"Bearer {token}"
@@ -78,19 +94,28 @@ class RemoteWorker:
     def call(self, method: str, **kwargs: Any) -> Any:
         """POST /rpc/<method> with kwargs; returns the wire result or raises RemoteError."""
         body = msgpack.packb(kwargs, use_bin_type=True)
-        for attempt in (0, 1):
+        headers = self._headers
+        if self.pin_instance and self.instance_id:
+            headers = {**headers, "x-sidecar-expect-instance": self.instance_id}
+        # A numbered step is safe to resend after any loss; anything else only after a kept-alive
+        # connection turned out closed (reconnect once).
+        numbered = kwargs.get("step_id") is not None
+        attempts = 1 + (self.resends if numbered else 1)
+        for attempt in range(attempts):
             conn = self._connection()
             try:
-                conn.request("POST", f"/rpc/{method}", body=body, headers=self._headers)
+                conn.request("POST", f"/rpc/{method}", body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
                 break
-            except (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest, BrokenPipeError):
-                # A kept-alive connection the server closed: reconnect once.
+            except _LOST if numbered else (ConnectionError, http.client.RemoteDisconnected,
+                                            http.client.CannotSendRequest, BrokenPipeError):
                 self.close()
-                if attempt:
+                if attempt == attempts - 1:
                     raise
+                self.resent += numbered
         self.last_request_id = resp.getheader("x-request-id")
+        self.instance_id = resp.getheader("x-sidecar-instance") or self.instance_id
         timing = resp.getheader("server-timing") or ""
         self.last_exec_seconds = float(timing.split("dur=", 1)[1]) / 1e3 if "dur=" in timing else None
         payload = msgpack.unpackb(data, raw=False, strict_map_key=False) if data else {}
@@ -138,7 +163,15 @@ class RemoteWorker:
         return self.call("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: dict) -> ModelRunnerOutput:
-        return output_from_wire(self.call("execute_model", scheduler_output=scheduler_output))
+        if not self.number_steps:
+            return output_from_wire(self.call("execute_model", scheduler_output=scheduler_output))
+        result = self.call("execute_model", scheduler_output=scheduler_output, step_id=self.next_step_id)
+        self.next_step_id += 1  # only once applied: a rejected step changed nothing and keeps its number
+        return output_from_wire(result)
+
+    def take_draft_token_ids(self) -> dict | None:
+        """The worker's drafts for the next step (vLLM's DraftTokenIds: req_ids, draft_token_ids) or None."""
+        return self.call("take_draft_token_ids")
 
     def check_health(self) -> None:
         return self.call("check_health")

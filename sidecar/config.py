@@ -23,7 +23,17 @@ class Config:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_logprobs: int = 20
+    # bounds on what one scheduler can make the worker hold (400 past them; docs/protocol.md)
+    max_live_requests: int = 1024
+    max_req_id_len: int = 256
     decode_ahead: bool = True  # overlap the next decode forward with the RPC round trip
+    # speculative decoding (vLLM's speculative_config): drafts proposed by the worker, handed out by
+    # take_draft_token_ids and verified when the scheduler sends them back (runner/proposers.py)
+    speculative_method: str = "none"  # none | ngram | draft_model (implied by draft_model)
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_model: str | None = None  # a small mlx-lm model with the target's vocabulary
     # server
     host: str = "127.0.0.1"
     port: int = 8000
@@ -55,6 +65,16 @@ class Config:
         cfg.validate()
         return cfg
 
+    def override(self, overrides: dict) -> Config:
+        """init_device(config=...): only RUNTIME_OVERRIDES keys (a null value keeps the current
+        setting); any other key is a ConfigError naming it."""
+        for key, value in overrides.items():
+            if key not in RUNTIME_OVERRIDES and not (key == "model" and _is_builtin(value)):
+                hint = " (only a builtin:<name> model)" if key == "model" else ""
+                raise ConfigError(key, f"config key {str(key)[:64]!r} cannot be set by init_device{hint}; it may set: "
+                                  + ", ".join(sorted(RUNTIME_OVERRIDES | {"model"})))
+        return self.replace(**{k: v for k, v in overrides.items() if v is not None})
+
     def validate(self) -> None:
         checks = [
             ("block_size", 1 <= self.block_size <= 1024, "must be in [1, 1024]"),
@@ -62,6 +82,8 @@ class Config:
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
             ("max_logprobs", self.max_logprobs >= 0, "must be >= 0"),
+            ("max_live_requests", self.max_live_requests >= 1, "must be >= 1"),
+            ("max_req_id_len", 1 <= self.max_req_id_len <= 1 << 20, "must be in [1, 2^20]"),
             ("max_model_len", self.max_model_len >= 0, "must be >= 0"),
             ("kv_dtype", self.kv_dtype in ("auto", "float16", "bfloat16", "float32"), "auto|float16|bfloat16|float32"),
             ("device", self.device in ("auto", "gpu", "cpu"), "must be auto, gpu or cpu"),
@@ -72,10 +94,24 @@ class Config:
             ("shutdown_timeout", self.shutdown_timeout > 0, "must be > 0"),
             ("max_body_bytes", self.max_body_bytes >= 1, "must be >= 1"),
             ("log_level", self.log_level.lower() in LOG_LEVELS, "must be one of " + "|".join(LOG_LEVELS)),
+            ("speculative_method", self.speculative_method in ("none", "ngram", "draft_model"),
+             "must be none, ngram or draft_model"),
+            ("draft_model", self.spec_method != "draft_model" or bool(self.draft_model),
+             "is needed for speculative_method draft_model"),
+            ("num_speculative_tokens", 1 <= self.num_speculative_tokens <= 32, "must be in [1, 32]"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min, "must be >= prompt_lookup_min"),
         ]
         for key, ok, why in checks:
             if not ok:
                 raise ConfigError(key, f"{key} {why}, got {getattr(self, key)!r}")
+
+    @property
+    def spec_method(self) -> str:
+        """The speculative method in effect: a draft model alone implies draft_model."""
+        if self.speculative_method == "none" and self.draft_model:
+            return "draft_model"
+        return self.speculative_method
 
     def token(self) -> str | None:
         """The bearer token, from the token file when one is configured."""
@@ -86,6 +122,18 @@ class Config:
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+# What init_device(config=...) may change: the shapes and sizes of the worker's own work. The
+# model source (except the built-ins), paths, security, transport and server limits are the
+# operator's (flags, environment), never a caller's. kv_cache_memory_bytes: the vLLM worker's.
+RUNTIME_OVERRIDES = frozenset({
+    "kv_dtype", "max_model_len", "seed", "device", "gpu_memory_utilization", "block_size", "max_num_seqs",
+    "max_num_batched_tokens", "max_logprobs", "decode_ahead", "kv_cache_memory_bytes",
+})
+
+
+def _is_builtin(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("builtin:")
 
 
 class ConfigError(ValueError):
@@ -104,7 +152,9 @@ def _coerce(key: str, type_name: Any, value: Any) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if want is not bool and isinstance(value, bool) or not isinstance(value, want):
-        raise ConfigError(key, f"config key {key!r} must be {want.__name__}, got {type(value).__name__}")
+        from sidecar.codec import KIND_NAMES, wire_type
+
+        raise ConfigError(key, f"config key {key!r} must be {KIND_NAMES[want]}, got {wire_type(value)}")
     return value
 
 

@@ -65,3 +65,10 @@ class MethodNotAllowed(SidecarError):
 
 class StartupError(Exception):
     """A configuration the server refuses to start with; the message says what to do."""
+
+
+class ClientClosed(SidecarError):
+    """The client hung up before its request body arrived (nginx's 499): nothing ran."""
+
+    status = 499
+    type = "client_closed_request"

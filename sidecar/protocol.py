@@ -6,81 +6,15 @@ ids, block ranges, token counts) live in runner/requests.py so both run before a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
-
-import msgpack
 
 from sidecar.errors import ProtocolError
 from sidecar.runner.sampler import SamplingParams
 
-MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-JSON_TYPE = "application/json"
-MAX_DEPTH = 32
-MAX_CONTAINER_LEN = 4 * 1024 * 1024
-
-
-# --- codecs -------------------------------------------------------------------------------
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack ext type {code} is not allowed")
-
-
-def decode_body(body: bytes, content_type: str) -> dict:
-    """Decode a request body into a kwargs map (empty body means no kwargs)."""
-    if not body:
-        return {}
-    try:
-        if content_type in MSGPACK_TYPES:
-            value = msgpack.unpackb(
-                body, raw=False, strict_map_key=False, ext_hook=_no_ext, use_list=True,
-                max_str_len=len(body), max_bin_len=len(body), max_array_len=MAX_CONTAINER_LEN,
-                max_map_len=MAX_CONTAINER_LEN,
-            )
-        else:
-            value = json.loads(body)
-    except ProtocolError:
-        raise
-    except (ValueError, msgpack.UnpackException, RecursionError) as e:
-        kind = "JSON" if content_type == JSON_TYPE else "msgpack"
-        raise ProtocolError(f"malformed {kind} body: {e}") from None
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ProtocolError(f"body must be a map of keyword arguments, got {type(value).__name__}")
-    _check_tree(value)
-    return value
-
-
-_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
-
-
-def _check_tree(root: Any) -> None:
-    # Iterative walk: no recursion limit to hit, and a depth bound the unpackers don't give us.
-    # Lists of scalars (token ids, the bulk of a body) are cleared in C by their set of types.
-    stack = [(root, 1, "")]
-    while stack:
-        node, depth, path = stack.pop()
-        if depth > MAX_DEPTH:
-            raise ProtocolError(f"nesting deeper than {MAX_DEPTH}", field=path or None)
-        if type(node) is dict:
-            for k, v in node.items():
-                if type(k) is not str and (type(k) is not int):
-                    raise ProtocolError(f"map keys must be strings, got {type(k).__name__}", field=path or None)
-                if type(v) is dict or type(v) is list:
-                    stack.append((v, depth + 1, f"{path}.{k}" if path else str(k)))
-        elif not set(map(type, node)) <= _SCALARS:
-            for i, v in enumerate(node):
-                if type(v) is dict or type(v) is list:
-                    stack.append((v, depth + 1, f"{path}[{i}]"))
-
-
-def encode_body(value: Any, use_msgpack: bool) -> bytes:
-    if use_msgpack:
-        return msgpack.packb(value, use_bin_type=True)
-    return json.dumps(value, separators=(",", ":")).encode()
+# The codecs live in codec.py (no MLX); re-exported for the callers that import them from here.
+from sidecar.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
+                           decode_body, encode_body, wire_type)
 
 
 # --- field helpers ------------------------------------------------------------------------
@@ -110,8 +44,8 @@ def check(value: Any, kind: type | tuple[type, ...], path: str) -> Any:
     else:
         ok = isinstance(value, kinds)
     if not ok:
-        names = "|".join("null" if k is type(None) else k.__name__ for k in kinds)
-        raise ProtocolError(f"expected {names}, got {type(value).__name__}", field=path)
+        names = "|".join(KIND_NAMES.get(k, k.__name__) for k in kinds)
+        raise ProtocolError(f"expected {names}, got {wire_type(value)}", field=path)
     return value
 
 
@@ -119,7 +53,7 @@ def int_list(value: Any, path: str) -> list[int]:
     check(value, list, path)
     for i, v in enumerate(value):
         if not isinstance(v, int) or isinstance(v, bool):
-            raise ProtocolError(f"expected int, got {type(v).__name__}", field=f"{path}[{i}]")
+            raise ProtocolError(f"expected integer, got {wire_type(v)}", field=f"{path}[{i}]")
     return value
 
 
@@ -164,6 +98,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    # {req_id: [draft token ids]}: verified in this step (runner/spec_decode.py)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -184,7 +120,16 @@ class SchedulerOutput:
             total_num_scheduled_tokens=get(d, "total_num_scheduled_tokens", int),
             finished_req_ids=list_of(get(d, "finished_req_ids", list, default=[]), "finished_req_ids", _str),
             preempted_req_ids=list_of(get(d, "preempted_req_ids", list, default=[]), "preempted_req_ids", _str),
+            scheduled_spec_decode_tokens=_spec_tokens(get(d, "scheduled_spec_decode_tokens", dict, default={})),
         )
+
+
+def _spec_tokens(d: dict) -> dict[str, list[int]]:
+    path = "scheduled_spec_decode_tokens"
+    for k, v in d.items():
+        check(k, str, path)
+        int_list(v, f"{path}.{k}")
+    return d
 
 
 def _str(v: Any, path: str) -> str:

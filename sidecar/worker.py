@@ -26,6 +26,7 @@ from sidecar.protocol import ModelRunnerOutput, check, get
 from sidecar.runner.kv_cache import DTYPES, KVPool, LayerSpec, dtype_name
 from sidecar.runner.model_runner import ModelRunner
 from sidecar.runner.requests import RequestState, Row
+from sidecar.limits import Limits, check_step_shape
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "initialize_from_config": (_LOADED, "call load_model first"),
     "compile_or_warm_up_model": (_CACHED, "call initialize_cache first"),
     "execute_model": (_CACHED, "call initialize_cache first"),
+    "take_draft_token_ids": (_CACHED, "call initialize_cache first"),
     "sleep": (_CACHED, "call initialize_cache first"),
     "wake_up": ({S.SLEEPING}, "call sleep first"),
     "check_health": (set(State), ""),
@@ -138,7 +140,7 @@ class MLXWorker:
     def init_device(self, config: dict | None = None) -> None:
         if config:
             try:
-                self.config = self.config.replace(**check(config, dict, "config"))
+                self.config = self.config.override(check(config, dict, "config"))
             except ConfigError as e:
                 raise ProtocolError(str(e), field=f"config.{e.key}") from None
         want = self.config.device
@@ -156,18 +158,28 @@ class MLXWorker:
     def load_model(self) -> None:
         from mlx_lm.utils import load_model
 
-        from sidecar.models import resolve_model
+        from sidecar.models import ModelNotFound, resolve_model
 
-        path = resolve_model(self.config.model, self.config.home)
-        model, config = load_model(path)
-        self.model, self.model_config, self.model_path = model, config, path
+        try:  # what fails here is the model directory the operator configured: 4xx, and no paths
+            path = resolve_model(self.config.model, self.config.home)
+            model, config = load_model(path)
+            self.model, self.model_config, self.model_path = model, config, path
+            specs, vocab, eos = self._layer_specs(), self._vocab_size(), self._eos_ids()
+        except Exception as e:  # noqa: BLE001
+            self.model, self.model_config, self.model_path = None, {}, None
+            why = "not found or not an mlx-lm model directory" if isinstance(e, ModelNotFound) else type(e).__name__
+            raise ProtocolError(f"the configured model cannot be loaded ({why})", field="config.model") from None
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         cap = self.config.max_model_len or min(int(config.get("max_position_embeddings") or 4096), 32768)
         self.runner = ModelRunner(
-            model, self._layer_specs(), vocab_size=self._vocab_size(), eos_token_ids=self._eos_ids(),
+            model, specs, vocab_size=vocab, eos_token_ids=eos,
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
         )
+        from sidecar.runner.proposers import proposer_for
+
+        self.runner.proposer = proposer_for(self.config, vocab_size=self._vocab_size(), max_model_len=cap,
+                                            layer_specs=self._layer_specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
 
@@ -193,13 +205,14 @@ class MLXWorker:
             ids += v if isinstance(v, list) else [] if v is None else [v]
         return sorted(set(ids))
 
-    def _layer_specs(self) -> list[LayerSpec]:
-        c = self.model_config.get("text_config", self.model_config)
+    def _layer_specs(self, model_config: dict | None = None, model: nn.Module | None = None) -> list[LayerSpec]:
+        model_config = self.model_config if model_config is None else model_config
+        c = model_config.get("text_config", model_config)
         heads = c["num_attention_heads"]
         kv_heads = c.get("num_key_value_heads") or heads
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         dtype = dtype_name(self._model_dtype()) if self.config.kv_dtype == "auto" else self.config.kv_dtype
-        types = c.get("layer_types") or ["full_attention"] * len(self.model.layers)  # type: ignore[union-attr]
+        types = c.get("layer_types") or ["full_attention"] * len((model or self.model).layers)  # type: ignore[union-attr]
         window = c.get("sliding_window")
         return [
             LayerSpec(self.config.block_size, kv_heads, head_dim, head_dim, dtype,
@@ -220,6 +233,11 @@ class MLXWorker:
         total = int(device_memory_bytes() * self.config.gpu_memory_utilization)
         held = self.runner.pool.nbytes if self.runner.pool else 0  # an existing pool is reusable
         free = total - self.weights_bytes - self.activation_peak_bytes - (mx.get_active_memory() - before) + held
+        draft = getattr(self.runner.proposer, "runner", None)
+        if draft is not None:  # the draft model's weights, and a draft block for every block of ours
+            free -= sum(v.nbytes for _, v in tree_flatten(draft.model.parameters()))
+            ours, theirs = self.get_cache_block_size_bytes(), sum(s.page_size_bytes for s in draft.specs)
+            free = free * ours // (ours + theirs)
         log.info("determine_available_memory: %d bytes (weights %d, activation peak %d)",
                  free, self.weights_bytes, self.activation_peak_bytes)
         return max(0, free)
@@ -313,7 +331,17 @@ class MLXWorker:
     @lifecycle
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         assert self.runner is not None
+        # Bounds by shape first: a body that breaks one is rejected before anything walks it.
+        limits = Limits.of(self.config, self.runner.max_model_len, self.runner.vocab_size)
+        check_step_shape(scheduler_output, self.runner.requests, limits)
         return self.runner.execute_model(self.runner.decode(scheduler_output))
+
+    @lifecycle
+    def take_draft_token_ids(self) -> dict | None:
+        """Drafts the proposer made in the last step (vLLM's DraftTokenIds), taken once; null when
+        speculation is off or no request got drafts."""
+        proposer = self.runner.proposer if self.runner is not None else None
+        return proposer.take() if proposer is not None else None
 
     @lifecycle
     def check_health(self) -> None:
@@ -360,8 +388,8 @@ class MLXWorker:
     def sleep(self, level: int = 1) -> None:
         """Level 1 discards the KV cache (contents and request state); level 2 also frees the
         weights, reloaded from disk on wake_up. (On unified memory there is no host to offload to.)"""
-        if level not in (1, 2) or isinstance(level, bool):
-            raise ProtocolError(f"level must be 1 or 2, got {level!r}", field="level")
+        if check(level, int, "level") not in (1, 2):
+            raise ProtocolError(f"level must be 1 or 2, got {level}", field="level")
         assert self.runner is not None
         self._awake_state, self._sleep_blocks = self.state, self.runner.num_blocks
         self.runner.free()

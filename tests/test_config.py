@@ -33,3 +33,20 @@ def test_token_file_wins(tmp_path) -> None:
     f = tmp_path / "token"
     f.write_text("from-file\n")
     assert Config(auth_token="env", auth_token_file=str(f)).token() == "from-file"
+
+
+def test_init_device_overrides_are_an_allow_list() -> None:
+    from sidecar.config import RUNTIME_OVERRIDES
+
+    base = Config()
+    assert base.override({"block_size": 32, "max_model_len": None, "model": "builtin:tiny-qwen3"}).block_size == 32
+    assert base.override({"max_model_len": None}).max_model_len == base.max_model_len  # null keeps the setting
+    for key, value in [("lora_dir", "/"), ("model", "/models/x"), ("home", "/"), ("auth_token_file", "/t"),
+                       ("uds", "/s"), ("max_body_bytes", 1), ("max_live_requests", 1), ("host", "0.0.0.0")]:
+        with pytest.raises(ConfigError) as e:
+            base.override({key: value})
+        assert e.value.key == key and "cannot be set by init_device" in str(e.value)
+    assert not RUNTIME_OVERRIDES & {"lora_dir", "home", "auth_token", "auth_token_file", "uds", "max_body_bytes",
+                                    "host", "port", "allow_insecure", "protect_metrics", "max_req_id_len"}
+    with pytest.raises(ConfigError, match="must be integer, got float 2.0"):
+        base.override({"block_size": 2.0})

@@ -3,7 +3,8 @@ scheduler) against mlx-lm (in this process) on the same model, greedy, same prom
 
 Scenarios (headline keys in the JSON): single_stream_ratio, batch32_ratio, rpc_overhead_ms_p50 /
 rpc_overhead_ms_p99 (and per batch size), prefix_ttft_ratio, pool_size_ratio, sampling_mixed_ratio,
-plus throughput against concurrency for both sides (the PNG). Workload sizes: params.py.
+spec_repetitive_ratio / spec_random_ratio (n-gram speculation on vs off, spec.py), plus throughput
+against concurrency for both sides (the PNG). Workload sizes: params.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.bench import report, scenarios, workloads
+from sidecar.bench import report, scenarios, spec, workloads
 from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
 from sidecar.bench.report import REQUIRED_KEYS, table
@@ -169,6 +170,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
             ("pool_size", lambda: scenarios.pool_size(b, make_side)),
             ("tiny single stream", lambda: workloads.tiny_single_stream(b, pair_for)),
             ("long context", lambda: workloads.long_context(b, pair_for)),
+            ("speculative", lambda: spec.speculative(b, make_side)),
         ]
         timings: dict[str, float] = {}
         meter = CpuMeter(_LivePids(servers))

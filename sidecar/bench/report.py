@@ -49,6 +49,12 @@ GOALS = (
          "{long_ctx_4096_sidecar_tok_s:.1f} tok/s", "{long_ctx_4096_mlx_lm_tok_s:.1f} tok/s"),
     Goal("long_ctx_16384_ratio", "decode at 16k context, {long_model}", ">=", 0.8,
          "{long_ctx_16384_sidecar_tok_s:.1f} tok/s", "{long_ctx_16384_mlx_lm_tok_s:.1f} tok/s"),
+    Goal("spec_repetitive_ratio", "ngram spec on/off, repetitive text", ">=", 1.8,
+         "{spec_repetitive_on_tok_s:.2f} / {spec_repetitive_off_tok_s:.2f} tok/s, accept "
+         "{spec_repetitive_acceptance:.0%}, {spec_repetitive_tokens_per_step:.2f} tok/step", "-"),
+    Goal("spec_random_ratio", "ngram spec on/off, random text", ">=", 0.95,
+         "{spec_random_on_tok_s:.2f} / {spec_random_off_tok_s:.2f} tok/s, accept "
+         "{spec_random_acceptance:.0%}, {spec_random_tokens_per_step:.2f} tok/step", "-"),
 )
 
 # Every key the JSON must carry with a finite value (the smoke test checks these).
@@ -61,6 +67,7 @@ REQUIRED_KEYS = (
     "prefix_cold_ttft_s", "prefix_warm_ttft_s", "pool_small_step_ms", "pool_large_step_ms",
     "sampling_greedy_step_ms", "sampling_mixed_step_ms",
     "tiny_single_stream_ratio", "tiny_single_stream_sidecar_tok_s", "tiny_single_stream_mlx_lm_tok_s",
+    "spec_repetitive_ratio", "spec_random_ratio",
 )
 
 

@@ -233,10 +233,11 @@ class SidecarSide:
 
     def run(self, requests: list[Request], *, tag: str, max_num_seqs: int | None = None,
             on_event: Callable[[Event, float], None] | None = None, scheduler: Scheduler | None = None,
-            probe: bool = False) -> tuple[RunResult, Scheduler]:
+            probe: bool = False, take_drafts: bool = False) -> tuple[RunResult, Scheduler]:
         sched = scheduler or Scheduler(
             num_blocks=self.num_blocks, block_size=self.block_size, max_num_seqs=max_num_seqs or self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, eos_token_ids=self.eos)
+        # take_drafts: the server's proposer drafts (take_draft_token_ids after each step), as vLLM's engine does.
         for r in requests:
             sched.add_request(r)
         tokens: dict[str, list[int]] = {r.req_id: [] for r in requests}
@@ -254,7 +255,8 @@ class SidecarSide:
                 on_event(e, now)
 
         try:
-            run(sched, self.worker.step, on_event=event)
+            run(sched, self.worker.step, on_event=event,
+                take_draft_token_ids=self.worker.take_draft_token_ids if take_drafts else None)
         finally:
             self.worker.probe = False
         return RunResult(perf() - t0, tokens, first, times), sched

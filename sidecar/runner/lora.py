@@ -9,6 +9,7 @@ rows costs one Python check per wrapped layer. Adapters come from mlx-lm's forma
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from sidecar.errors import ProtocolError
+
+_MAX_PATH, _MAX_NAME = 1024, 255  # bytes: below every OS's PATH_MAX / NAME_MAX
 
 
 @dataclass
@@ -67,31 +70,59 @@ class LoRAManager:
     adapters: dict[int, Adapter] = field(default_factory=dict)
     rows: _Rows = field(default_factory=_Rows)
 
-    def resolve(self, path: Any, field_path: str) -> Path:
+    def resolve(self, path: Any, field_path: str) -> tuple[Path, Path]:
+        """The adapter's two files, each resolved (symlinks, "..") and inside --lora-dir. Messages
+        name the caller's relative path only, never a server path."""
         if self.lora_dir is None:
             raise ProtocolError("LoRA loading is disabled: start the server with --lora-dir", field=field_path)
         if not isinstance(path, str) or not path:
             raise ProtocolError("lora_path must be a non-empty string", field=field_path)
+        shown = repr(path) if len(path) <= 80 else repr(path[:77] + "...")
+        if "\x00" in path:
+            raise ProtocolError("lora_path must not contain a NUL character", field=field_path)
+        if len(path.encode("utf-8", "replace")) > _MAX_PATH or any(len(p.encode("utf-8", "replace")) > _MAX_NAME
+                                                                    for p in path.split("/")):
+            raise ProtocolError(f"lora_path is too long (at most {_MAX_PATH} bytes, {_MAX_NAME} per name)", field=field_path)
         root = Path(os.path.realpath(self.lora_dir))
-        full = Path(os.path.realpath(root / path))
-        # Only paths inside the allow-listed directory; symlinks and ".." are resolved first.
-        if full != root and root not in full.parents:
-            raise ProtocolError(f"lora_path {path!r} is outside the LoRA directory", field=field_path)
-        if not (full / "adapter_config.json").is_file() or not (full / "adapters.safetensors").is_file():
-            raise ProtocolError(f"lora_path {path!r} is not an mlx-lm adapter directory "
-                                "(adapter_config.json + adapters.safetensors)", field=field_path)
-        return full
+        files = []
+        for name in ("adapter_config.json", "adapters.safetensors"):
+            try:
+                full = Path(os.path.realpath(root / path / name))
+                ok = full.is_file()
+            except (OSError, ValueError):
+                full, ok = root, False
+            # Every file is resolved on its own: a symlinked file may not point out of the directory.
+            if root not in full.parents:
+                raise ProtocolError(f"lora_path {shown} is outside the LoRA directory", field=field_path)
+            if not ok:
+                raise ProtocolError(f"lora_path {shown} is not an mlx-lm adapter directory "
+                                    "(adapter_config.json + adapters.safetensors)", field=field_path)
+            files.append(full)
+        return files[0], files[1]
 
     def add(self, lora_id: int, name: str, path: str, in_use: set[int]) -> bool:
         if lora_id in self.adapters:
             return False  # vLLM: adding a loaded id is a no-op that reports False
-        full = self.resolve(path, "lora_request.lora_path")
-        config = json.loads((full / "adapter_config.json").read_text())
-        kind = config.get("fine_tune_type", "lora")
+        fp = "lora_request.lora_path"
+        config_file, weights_file = self.resolve(path, fp)
+        try:
+            config = json.loads(config_file.read_bytes()[: 1 << 20])
+            params = config.get("lora_parameters", {})
+            scale = float(params.get("scale", 20.0))
+            kind = config.get("fine_tune_type", "lora")
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+            raise ProtocolError("the adapter's adapter_config.json is not a valid mlx-lm adapter config "
+                                "(a JSON map; lora_parameters.scale a number)", field=fp) from None
         if kind != "lora":
-            raise ProtocolError(f"only LoRA adapters are supported, not {kind!r}", field="lora_request.lora_path")
-        scale = float(config.get("lora_parameters", {}).get("scale", 20.0))
-        raw = mx.load(str(full / "adapters.safetensors"))
+            raise ProtocolError(f"only LoRA adapters are supported, not {str(kind)[:40]!r}", field=fp)
+        if not math.isfinite(scale):
+            raise ProtocolError("lora_parameters.scale must be a finite number", field=fp)
+        try:
+            raw = mx.load(str(weights_file), format="safetensors")
+            if not isinstance(raw, dict):
+                raise ValueError
+        except Exception:  # noqa: BLE001 - MLX's messages carry the server path
+            raise ProtocolError("the adapter's adapters.safetensors is not a valid safetensors file", field=fp) from None
         modules = _modules(self.model)
         weights: dict[str, tuple[mx.array, mx.array]] = {}
         for key, a in raw.items():
@@ -102,8 +133,11 @@ class LoRAManager:
             mod = modules.get(mod_path)
             if isinstance(mod, MultiLoRALinear):
                 mod = mod.base
-            if b is None or not isinstance(mod, (nn.Linear, nn.QuantizedLinear)) or ".layers." not in f".{mod_path}":
-                raise ProtocolError(f"adapter weight {key!r} matches no Linear layer of the model",
+            if (b is None or not isinstance(mod, (nn.Linear, nn.QuantizedLinear)) or ".layers." not in f".{mod_path}"
+                    or a.ndim != 2 or b.ndim != 2 or not mx.issubdtype(a.dtype, mx.floating)
+                    or not mx.issubdtype(b.dtype, mx.floating)):
+                raise ProtocolError(f"adapter weight {key[:100]!r} matches no Linear layer of the model (or is not a "
+                                    "2-D float matrix)",
                                     field="lora_request.lora_path")
             out_dims, in_dims = mod.weight.shape
             if isinstance(mod, nn.QuantizedLinear):
@@ -119,7 +153,7 @@ class LoRAManager:
         mx.eval([w for ab in weights.values() for w in ab])
         for mod_path, (a, b) in weights.items():
             self._wrap(mod_path)._adapters[lora_id] = (a, b, scale)
-        self.adapters[lora_id] = Adapter(lora_id, name, str(full), weights, scale)
+        self.adapters[lora_id] = Adapter(lora_id, name, str(config_file.parent), weights, scale)
         return True
 
     def _wrap(self, mod_path: str) -> MultiLoRALinear:

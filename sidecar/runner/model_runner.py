@@ -23,6 +23,7 @@ from sidecar.runner.kv_cache import KVPool, LayerSpec, PagedCache
 from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs
+from sidecar.runner.spec_decode import SpecCounters, Verified, verify
 
 
 class _Selection:
@@ -87,6 +88,8 @@ class StepStats:
     generated_tokens: int = 0
     seconds: float = 0.0
     first_token_latencies: tuple[float, ...] = ()
+    draft_tokens: int = 0  # drafts verified in the step, and how many were accepted
+    accepted_tokens: int = 0
 
 
 class ModelRunner:
@@ -108,6 +111,8 @@ class ModelRunner:
         self._ahead: _Ahead | None = None
         self._layouts = LayoutBuilder()
         self.ahead_hits = self.ahead_misses = 0
+        self.spec = SpecCounters()
+        self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
@@ -130,11 +135,15 @@ class ModelRunner:
         self.pool = None  # free the old pool before allocating the new one
         self.requests.clear()
         self.pool = KVPool(self.specs, num_blocks)
+        if self.proposer is not None:
+            self.proposer.allocate(num_blocks)
 
     def free(self) -> None:
         self._ahead = None
         self.pool = None
         self.requests.clear()
+        if self.proposer is not None:
+            self.proposer.free()
 
     @property
     def num_blocks(self) -> int:
@@ -158,9 +167,11 @@ class ModelRunner:
         touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at)
                    for s in (row.state for row in plan.rows)]
         apply(self.requests, plan)
+        if self.proposer is not None:
+            self.proposer.forget(plan.finished)
         ahead, self._ahead = self._ahead, None
         try:
-            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead)
+            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead, propose=True)
         except BaseException:
             self._ahead = None
             self.requests = live
@@ -171,12 +182,16 @@ class ModelRunner:
         self.last_stats.seconds = time.perf_counter() - t0
         return result
 
-    def _start_ahead(self, rows: list[Row], tokens: mx.array) -> tuple[list[int], mx.array] | None:
+    def _start_ahead(self, rows: list[Row], tokens: mx.array,
+                     skip: set[str] = frozenset()) -> tuple[list[int], mx.array] | None:
         """Queue the forward of the likely next decode step (see _Ahead) on this step's tokens
         [rows], which may still be lazy: then it follows the sampling without a gap, as mlx-lm's
         generate loop does. Returns the rows it covers and its logits."""
         bs = self.pool.block_size  # type: ignore[union-attr]
-        idx = [i for i, r in enumerate(rows) if r.sample and r.end < len(r.block_ids) * bs and r.end < self.max_model_len
+        # Rows that verified drafts (their next position is not r.end) or got new drafts (their
+        # next step is not a plain decode) are left out.
+        idx = [i for i, r in enumerate(rows) if r.sample and not r.num_draft and r.state.req_id not in skip
+               and r.end < len(r.block_ids) * bs and r.end < self.max_model_len
                and len(r.state.output_token_ids) + 1 < (r.state.sampling_params.max_tokens or 1 << 62)]
         if not idx:
             return None
@@ -205,7 +220,8 @@ class ModelRunner:
         self.ahead_misses += len(ahead.rows) - (len(decode) - len(rest))
         return rest
 
-    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False) -> ModelRunnerOutput:
+    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
+             propose: bool = False) -> ModelRunnerOutput:
         if not rows:
             self.last_stats = StepStats()
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -218,8 +234,16 @@ class ModelRunner:
                 self._forward([rows[i] for i in group], group, last, prompt_lp)
         logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
         started = None
-        if start_ahead and all(_plain_greedy(r) for r in rows):
+        lazy = False
+        verified: Verified | None = None
+        if any(r.num_draft for r in rows):
+            probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
+            verified = verify(self.sampler, logits, rows, probs)
+            res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
+            mx.eval(self.pool.arrays())
+        elif start_ahead and self.proposer is None and all(_plain_greedy(r) for r in rows):
             # Sample lazily and queue the next step's forward behind it before waiting.
+            lazy = True
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
             mx.async_eval(tokens, nans, self.pool.arrays())
             started = self._start_ahead(rows, tokens)
@@ -229,8 +253,9 @@ class ModelRunner:
                            for r in rows]
             res = self.sampler.sample(logits, sample_rows)
             mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
-            if start_ahead:
-                started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32))
+        drafted = self._propose(rows, res, verified) if propose else set()
+        if start_ahead and not lazy and (verified is None or not all(r.num_draft for r in rows)):
+            started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32), drafted)
         if started is not None:
             bs = self.pool.block_size
             idx, ahead_logits = started
@@ -241,19 +266,27 @@ class ModelRunner:
         now = time.monotonic()
         sampled: list[list[int]] = []
         ttfts = []
-        for r, tok in zip(rows, res.token_ids):
+        for i, (r, tok) in enumerate(zip(rows, res.token_ids)):
             if r.sample:
                 s = r.state
-                s.output_token_ids.append(int(tok))
+                toks = [int(tok)] if verified is None else verified.token_ids[i]
+                s.output_token_ids.extend(toks)
+                s.num_computed_tokens -= r.num_draft - (len(toks) - 1)  # the scheduler's rollback
                 if s.first_token_at is None:
                     s.first_token_at = now
                     ttfts.append(now - s.first_seen)
-                sampled.append([int(tok)])
+                sampled.append(toks)
             else:
                 sampled.append([])
         req_ids = [r.state.req_id for r in rows]
         logprobs = None
-        if res.logprob_token_ids is not None:
+        if verified is not None:
+            if verified.logprob_token_ids is not None:
+                logprobs = LogprobsLists(verified.logprob_token_ids, verified.logprobs,  # type: ignore[arg-type]
+                                         verified.sampled_token_ranks, verified.cu_num_generated_tokens)  # type: ignore[arg-type]
+            self.spec = SpecCounters(self.spec.draft_tokens + verified.num_draft,
+                                     self.spec.accepted_tokens + verified.num_accepted, self.spec.steps_with_drafts + 1)
+        elif res.logprob_token_ids is not None:
             logprobs = LogprobsLists(res.logprob_token_ids, res.logprobs, res.sampled_token_ranks)  # type: ignore[arg-type]
         plp_dict: dict[str, LogprobsLists | None] = {}
         for i, (lg, targets) in prompt_lp.items():
@@ -262,7 +295,8 @@ class ModelRunner:
         nans = {rid: n for rid, n in zip(req_ids, res.num_nans) if n}
         prompt_tokens = sum(max(0, min(r.end, len(r.state.prompt_token_ids)) - r.start) for r in rows)
         self.last_stats = StepStats(len(rows), sum(len(r.token_ids) for r in rows), prompt_tokens,
-                                    sum(map(len, sampled)), 0.0, tuple(ttfts))
+                                    sum(map(len, sampled)), 0.0, tuple(ttfts),
+                                    verified.num_draft if verified else 0, verified.num_accepted if verified else 0)
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs_dict=plp_dict,
@@ -296,7 +330,7 @@ class ModelRunner:
                 spans.append((b, len(select), hi - r.start, r.state.prompt_token_ids[r.start + 1 : hi + 1]))
                 select.extend(b * L + i for i in range(hi - r.start))
             last_at.append(len(select))
-            select.append(b * L + lengths[b] - 1)
+            select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
         index = mx.array(select, dtype=mx.int32)
         caches = [PagedCache(pool, i, layout) for i in range(len(pool.specs))]
         if self.lora.adapters:
@@ -313,9 +347,16 @@ class ModelRunner:
             self.lora.rows.groups = []
         logits = logits.astype(mx.float32)
         for b, w in enumerate(where):
-            last[w] = logits[last_at[b] : last_at[b] + 1]
+            last[w] = logits[last_at[b] : last_at[b] + 1 + rows[b].num_draft]
         for b, first, count, targets in spans:
             prompt_lp[where[b]] = (logits[first : first + count], targets)
+
+    def _propose(self, rows: list[Row], res: SampleResult, verified: Verified | None) -> set[str]:
+        """Hand this step's tokens to the proposer (drafts for the next step); returns the ids it drafted for."""
+        if self.proposer is None:
+            return set()
+        toks = [[int(t)] if r.sample else [] for r, t in zip(rows, res.token_ids)] if verified is None else verified.token_ids
+        return self.proposer.propose(self, rows, toks)
 
 
 def _plain_greedy(row: Row) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from sidecar.errors import ProtocolError
 from sidecar.protocol import SchedulerOutput
 from sidecar.runner.sampler import SamplingParams
+from sidecar.runner.spec_decode import check_drafts, check_no_stray_drafts
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Row:
     token_ids: list[int]
     block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens
+    num_draft: int = 0  # the last num_draft token_ids are draft tokens to verify (spec_decode.py)
 
     @property
     def end(self) -> int:
@@ -120,7 +122,8 @@ def plan_step(
         n = scheduled(nr.req_id, f"{path}.req_id")
         check_tokens(nr.prompt_token_ids, f"{path}.prompt_token_ids")
         start, end = nr.num_computed_tokens, nr.num_computed_tokens + n
-        if start < 0 or end > len(nr.prompt_token_ids):
+        drafts = check_drafts(out.scheduled_spec_decode_tokens, nr.req_id, start, n, len(nr.prompt_token_ids), vocab_size)
+        if start < 0 or end - len(drafts) > len(nr.prompt_token_ids):
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the prompt of {len(nr.prompt_token_ids)}",
                 field=f"{path}.num_computed_tokens")
@@ -131,7 +134,8 @@ def plan_step(
                                 field=f"{path}.lora_request.lora_int_id")
         state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start, lora_request=nr.lora_request)
         new_states.append(state)
-        rows.append(Row(state, start, state.tokens(start, end), table, end == state.num_tokens))
+        known = end - len(drafts)
+        rows.append(Row(state, start, state.tokens(start, known) + drafts, table, known == state.num_tokens, len(drafts)))
 
     cached = out.scheduled_cached_reqs
     for i, rid in enumerate(cached.req_ids):
@@ -157,7 +161,8 @@ def plan_step(
             check_tokens(outputs, f"{path}.new_token_ids[{i}]")
         num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids if outputs is None else outputs)
         end = start + n
-        if start < 0 or end > num_tokens:
+        drafts = check_drafts(out.scheduled_spec_decode_tokens, rid, start, n, num_tokens, vocab_size)
+        if start < 0 or end - len(drafts) > num_tokens:
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the {num_tokens} known tokens of {rid!r}",
                 field=f"{path}.num_computed_tokens[{i}]")
@@ -172,8 +177,10 @@ def plan_step(
         check_table(table, end, f"{path}.new_block_ids[{i}]")
         updates.append((state, table, outputs))
         all_toks = state.prompt_token_ids + (state.output_token_ids if outputs is None else outputs)
-        rows.append(Row(state, start, all_toks[start:end], table, end == num_tokens))
+        known = end - len(drafts)
+        rows.append(Row(state, start, all_toks[start:known] + drafts, table, known == num_tokens, len(drafts)))
 
+    check_no_stray_drafts(out.scheduled_spec_decode_tokens, seen)
     extra = set(out.num_scheduled_tokens) - seen
     if extra:
         rid = sorted(extra)[0]

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from sidecar.codec import wire_type
 from sidecar.errors import ProtocolError
 
 _SAMPLING_EPS = 1e-5
@@ -129,13 +130,13 @@ class SamplingParams:
 
 def _real(v: Any, field: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ProtocolError("must be a finite number", field=field)
+        raise ProtocolError(f"must be a finite number, got {wire_type(v)}", field=field)
     return float(v)
 
 
 def _int(v: Any, field: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ProtocolError("must be an integer", field=field)
+        raise ProtocolError(f"must be an integer, got {wire_type(v)}", field=field)
     return v
 
 

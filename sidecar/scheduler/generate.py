@@ -58,6 +58,17 @@ class StreamPrinter:
         self.printed = text
 
 
+def draft_source(args: argparse.Namespace, info: dict, worker: RemoteWorker,
+                 sched: Scheduler) -> Callable[[], dict | None] | None:
+    """--speculative ngram: the worker's own drafts when it runs a proposer (serve
+    --speculative-method), else prompt lookup here in the scheduler; either way the worker verifies."""
+    if args.speculative == "none":
+        return None
+    if info.get("speculative_method", "none") != "none":
+        return worker.take_draft_token_ids
+    return lambda: sched.propose_ngram(args.num_speculative_tokens)
+
+
 def generate_cli(args: argparse.Namespace) -> int:
     token = (Path(args.auth_token_file).read_text().strip() if args.auth_token_file
              else os.environ.get("MLX_SIDECAR_AUTH_TOKEN", "").strip() or None)
@@ -68,15 +79,20 @@ def generate_cli(args: argparse.Namespace) -> int:
         model = worker.get_model()
         tok = load_tokenizer(args.model or model["path"])
         sched = Scheduler(num_blocks=info["num_blocks"], block_size=info["block_size"],
-                          eos_token_ids=model["eos_token_ids"])
+                          eos_token_ids=model["eos_token_ids"], max_model_len=info.get("max_model_len") or 0)
         sampling: dict = {"temperature": args.temperature}
         if args.seed is not None:
             sampling["seed"] = args.seed
         prompt = tok.encode(args.prompt).ids
         sched.add_request(Request("generate-0", prompt, sampling, max_tokens=args.max_tokens))
         printer = StreamPrinter(lambda ids: tok.decode(ids, skip_special_tokens=True))
-        run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer)
+        run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer,
+            take_draft_token_ids=draft_source(args, info, worker, sched))
         sys.stdout.write("\n")
+        if args.speculative != "none":
+            rate = sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0
+            print(f"speculative: {sched.num_accepted_tokens}/{sched.num_draft_tokens} drafts accepted ({rate:.0%})",
+                  file=sys.stderr)
         return 0
     except (RemoteError, OSError) as e:
         print(f"mlx-sidecar generate: {e}", file=sys.stderr)

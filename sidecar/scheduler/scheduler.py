@@ -4,7 +4,10 @@ Plain Python, no MLX. A step is `schedule()` -> the wire `scheduler_output` (DES
 the worker's `execute_model` -> `update_from_output()`, which appends the sampled tokens and
 checks stops. Policy: continuous batching; running requests first (decodes and unfinished
 chunked prefills), then FCFS admission of waiting ones under a token budget and a sequence cap;
-chunked prefill; prefix caching; preemption by recompute when blocks run out.
+chunked prefill; prefix caching; preemption by recompute when blocks run out. Speculative
+decoding as vLLM's: a running request's drafts (`update_draft_token_ids`, from the worker's
+take_draft_token_ids or `propose_ngram`) are scheduled with it (budget and blocks for the k extra
+slots), and `num_computed_tokens` is rolled back by the drafts the worker rejected.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -93,6 +97,7 @@ class Scheduler:
     def __init__(
         self, *, num_blocks: int, block_size: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
         eos_token_ids: Sequence[int] = (), enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+        max_model_len: int = 0,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or long_prefill_token_threshold < 0:
             raise ValueError("need max_num_seqs >= 1, max_num_batched_tokens >= 1, long_prefill_token_threshold >= 0")
@@ -101,6 +106,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_model_len = max_model_len  # 0: unknown (drafts are then capped by max_tokens only)
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every request the next step's finished_req_ids hasn't dropped
         self.waiting: deque[Request] = deque()  # new and preempted requests, FCFS
@@ -135,7 +142,7 @@ class Scheduler:
     # -- the step -----------------------------------------------------------------------------
 
     def _num_new_tokens(self, req: Request, budget: int, num_computed: int) -> int:
-        n = req.num_tokens - num_computed
+        n = req.num_tokens + len(req.spec_token_ids) - num_computed
         if self.long_prefill_token_threshold:
             n = min(n, self.long_prefill_token_threshold)
         return min(n, budget)
@@ -145,6 +152,7 @@ class Scheduler:
         # them) and recompute prompt + outputs later. The worker keeps the output tokens too.
         self.blocks.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -155,6 +163,7 @@ class Scheduler:
         new_reqs: list[dict] = []
         cached: list[tuple[Request, list[int] | None, bool]] = []  # (req, blocks sent, resumed)
         preempted: list[str] = []
+        spec: dict[str, list[int]] = {}
 
         # 1. Running requests, in admission order. Out of blocks: preempt the most recently
         # admitted one (maybe req itself, then nothing after it is left to schedule).
@@ -172,6 +181,10 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 num_scheduled[req.req_id] = n
                 budget -= n
+                k = req.num_computed_tokens + n - req.num_tokens  # the drafts that fit the budget
+                if k > 0:
+                    spec[req.req_id] = req.spec_token_ids[:k]
+                req.spec_token_ids = []
                 cached.append((req, req.block_table[num_blocks:] or None, False))
                 i += 1
 
@@ -217,7 +230,7 @@ class Scheduler:
             },
             "num_scheduled_tokens": num_scheduled,
             "total_num_scheduled_tokens": sum(num_scheduled.values()),
-            "scheduled_spec_decode_tokens": {},
+            "scheduled_spec_decode_tokens": spec,
             "num_common_prefix_blocks": [0],
             "finished_req_ids": finished,
             "preempted_req_ids": preempted,
@@ -226,29 +239,72 @@ class Scheduler:
     def update_from_output(self, scheduler_output: dict, model_runner_output: dict) -> list[Event]:
         index = model_runner_output["req_id_to_index"]
         sampled = model_runner_output["sampled_token_ids"]
+        spec = scheduler_output.get("scheduled_spec_decode_tokens") or {}
         events: list[Event] = []
         for req_id, n in scheduler_output["num_scheduled_tokens"].items():
             req = self.requests.get(req_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted after this step was scheduled
-            req.num_computed_tokens += n
-            self.blocks.cache_blocks(req)
+            k = len(spec.get(req_id, ()))
+            req.num_computed_tokens += n - k
             new = list(sampled[index[req_id]])
-            # The worker samples exactly when the computed tokens reach the end of the known ones.
-            if len(new) != (req.num_computed_tokens == req.num_tokens):
+            # The worker samples exactly when the computed tokens reach the end of the known ones,
+            # and returns 1..k+1 tokens for k drafts.
+            sample = req.num_computed_tokens == req.num_tokens
+            if not (1 <= len(new) <= k + 1 if sample else not new):
                 raise ValueError(
-                    f"worker returned {new} for {req_id!r} at {req.num_computed_tokens}/{req.num_tokens} tokens")
+                    f"worker returned {new} for {req_id!r} at {req.num_computed_tokens}/{req.num_tokens} tokens, {k} drafts")
             if not new:
+                self.blocks.cache_blocks(req)
                 continue  # a chunk of a longer prefill
-            req.output_token_ids += new
+            req.num_computed_tokens += len(new) - 1  # the accepted drafts; the rejected are rolled back
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += len(new) - 1
+            reason = None
+            for i, tok in enumerate(new):  # a stop inside the accepted drafts drops the rest
+                req.output_token_ids.append(tok)
+                reason = self._check_stop(req)
+                if reason is not None:
+                    new = new[: i + 1]
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                    break
+            self.blocks.cache_blocks(req)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            reason = self._check_stop(req)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
             events.append(Event(req_id, new, reason is not None, reason))
         return events
+
+    def update_draft_token_ids(self, drafts: dict | None) -> None:
+        """vLLM's DraftTokenIds ({req_ids, draft_token_ids}, or None) for the next step, capped so
+        that accepted drafts plus the bonus token never pass max_tokens or max_model_len."""
+        if not drafts:
+            return
+        for req_id, d in zip(drafts["req_ids"], drafts["draft_token_ids"]):
+            req = self.requests.get(req_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue
+            k = req.max_tokens - len(req.output_token_ids) - 1
+            if self.max_model_len:
+                k = min(k, self.max_model_len - req.num_tokens)
+            req.spec_token_ids = list(d[: max(0, k)])
+
+    def propose_ngram(self, k: int, n_min: int = 2, n_max: int = 5) -> dict | None:
+        """Prompt-lookup drafts computed here, for a worker that proposes none itself."""
+        import numpy as np
+
+        from sidecar.runner.ngram import ngram_drafts
+
+        ids, drafts = [], []
+        for req in self.running:
+            if req.num_computed_tokens == req.num_tokens - 1:
+                d = ngram_drafts(np.asarray(req.all_token_ids, np.int32), n_min, n_max, k)
+                if d:
+                    ids.append(req.req_id)
+                    drafts.append(d)
+        return {"req_ids": ids, "draft_token_ids": drafts} if ids else None
 
     def _check_stop(self, req: Request) -> str | None:
         # vLLM's order: min_tokens holds off stops, then eos, stop ids, and length.
@@ -271,12 +327,14 @@ class Scheduler:
 
 def run(
     scheduler: Scheduler, execute_model: Callable[[dict], dict], on_event: Callable[[Event], None] | None = None,
+    take_draft_token_ids: Callable[[], dict | None] | None = None,
 ) -> dict[str, Request]:
     """Step until no request is unfinished; returns every request seen (by id).
 
     Ends with a step that carries only finished_req_ids (no tokens) when the last requests
     finished, as vLLM's engine does, so the worker frees their state: the worker must accept a
     step with total_num_scheduled_tokens == 0. `on_event` may add or abort requests.
+    `take_draft_token_ids` (the worker's, or `scheduler.propose_ngram`) gives the next step's drafts.
     """
     seen: dict[str, Request] = {}
     while scheduler.has_unfinished() or scheduler.has_finished_ids():
@@ -285,4 +343,6 @@ def run(
         for event in scheduler.update_from_output(out, execute_model(out)):
             if on_event is not None:
                 on_event(event)
+        if take_draft_token_ids is not None and out["total_num_scheduled_tokens"]:
+            scheduler.update_draft_token_ids(take_draft_token_ids())
     return seen

@@ -12,11 +12,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -24,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -32,21 +31,25 @@ import mlx.core as mx
 
 from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Config
-from sidecar.errors import (MethodNotAllowed, PayloadTooLarge, SidecarError, StartupError, Unavailable,
+from sidecar.errors import (MethodNotAllowed, SidecarError, StartupError, Unavailable,
                             UnknownMethod, UnsupportedMediaType)
-from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body, encode_body
+from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body
+from sidecar.server.httpio import encode_reply
+from sidecar.server.httpio import media_type as _media_type
+from sidecar.server.httpio import read_body as _read_body
+from sidecar.server.httpio import request_id as _request_id
+from sidecar.server.httpio import wants_msgpack as _wants_msgpack
+from sidecar.server.instance import EXPECT_HEADER, Instance, InstanceHeader
 from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_token
 from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
+from sidecar.steps import StepLedger, fingerprint
 from sidecar.worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
 slog = logging.getLogger("sidecar.server")
 
-# An incoming X-Request-Id is reused when it is a plain token (no spaces, quotes or control
-# characters that could forge log lines); anything else is replaced by a fresh id.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
 # Bodies above this are decoded off the event loop, so a big prompt never stalls the probes.
 _DECODE_OFF_LOOP_BYTES = 256 * 1024
 
@@ -63,6 +66,8 @@ class Sidecar:
     deadline: float | None = None  # monotonic time by which shutdown must be complete
     clean_shutdown: bool = True
     preload_error: str | None = field(default=None)
+    instance: Instance = field(default_factory=Instance)
+    steps: StepLedger = field(default_factory=StepLedger)
     _dropped_queued: bool = False
 
     def publish(self) -> None:
@@ -92,6 +97,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     worker = worker or MLXWorker(config)
     metrics_ = Metrics(registry or CollectorRegistry(), lambda: sc.worker)
     sc = Sidecar(config, worker, metrics_, token if token is not None else load_token(config))
+    metrics_.instance = sc.instance
     sc.publish()  # before the MLX thread exists, this thread owns the worker
 
     @contextlib.asynccontextmanager
@@ -117,6 +123,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         headers = {"x-request-id": rid}
         try:
             authorize(sc.token, request)
+            sc.instance.check(request.headers.get(EXPECT_HEADER))
             if label == "unknown":
                 raise UnknownMethod(f"unknown method {method[:64]!r}")
             if request.method != "POST":
@@ -133,7 +140,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 kwargs = await asyncio.to_thread(decode_body, body, in_type)
             else:
                 kwargs = decode_body(body, in_type)
-            call = bind_kwargs(sc.worker, method, kwargs)
+            call = bind_kwargs(sc.worker, method, kwargs, sc.steps, fingerprint(method, body, kwargs))
             timing: list[float] = []
             result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout)
             payload: Any = {"result": result}
@@ -158,6 +165,11 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             status, error_type = 500, "internal_error"
             payload = {"error": {"type": error_type, "message": f"{type(e).__name__}: {e}", "field": None}}
             log.exception("rpc %s failed", label, extra={"request_id": rid, "method": label})
+        content, failed = encode_reply(payload, as_msgpack)
+        if failed:  # never a bare 500 from uvicorn: still the envelope
+            status, error_type = 500, "internal_error"
+            log.error("rpc %s: the reply could not be encoded", label, exc_info=failed,
+                      extra={"request_id": rid, "method": label})
         dt = time.perf_counter() - t0
         sc.metrics.observe_rpc(label, status, dt)
         if error_type is not None:
@@ -168,7 +180,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             if error_type is not None:
                 extra["error"] = error_type
             log.log(level, "rpc", extra=extra)
-        return Response(encode_body(payload, as_msgpack), status_code=status, headers=headers,
+        return Response(content, status_code=status, headers=headers,
                         media_type=MSGPACK_TYPES[0] if as_msgpack else JSON_TYPE)
 
     async def healthz(request: Request) -> Response:
@@ -178,7 +190,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         w = sc.worker
         state = w.state
         ready = state in (State.CACHE_READY, State.READY) and w.healthy and not sc.draining
-        body = {"ready": ready, "state": state.value, "healthy": w.healthy, "draining": sc.draining}
+        body = {"ready": ready, "state": state.value, "healthy": w.healthy, "draining": sc.draining,
+                "instance_id": sc.instance.id}
         if sc.preload_error:
             body["preload_error"] = sc.preload_error
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -193,7 +206,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "kv_cache_spec": snap.kv_cache_spec, "num_blocks": snap.num_blocks, "block_size": snap.block_size,
             "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
-            "draining": sc.draining,
+            "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
+            "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"
         })
 
     async def metrics(request: Request) -> Response:
@@ -225,41 +239,10 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, SidecarError: sidecar_error},
+        middleware=[Middleware(InstanceHeader, instance=sc.instance)],
     )
     app.state.sidecar = sc
     return app
-
-
-def _request_id(given: str | None) -> str:
-    if given and _REQUEST_ID.fullmatch(given):
-        return given
-    return uuid.uuid4().hex[:16]
-
-
-def _media_type(value: str) -> str:
-    return value.split(";", 1)[0].strip().lower()
-
-
-def _wants_msgpack(accept: str, in_type: str) -> bool:
-    accept = accept.lower()
-    if any(t in accept for t in MSGPACK_TYPES):
-        return True
-    if JSON_TYPE in accept:
-        return False
-    return in_type in MSGPACK_TYPES
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"body of {length} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> Any:
@@ -267,12 +250,15 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
 
     def run() -> Any:
         t0 = time.perf_counter()
+        before = sc.worker.runner.last_stats if sc.worker.runner is not None else None
         try:
             result = call()
         finally:
             timing.append(time.perf_counter() - t0)
         runner = sc.worker.runner
-        if method == "execute_model" and runner is not None and runner.last_stats.num_rows:
+        # (a resend answered from the step ledger ran nothing: its stats are the previous step's)
+        if (method == "execute_model" and runner is not None and runner.last_stats.num_rows
+                and runner.last_stats is not before):
             sc.metrics.observe_step(runner.last_stats)
         return result
 
@@ -305,6 +291,17 @@ def preload(worker: MLXWorker, after_each: Any = None) -> None:
     worker.compile_or_warm_up_model()
     worker.check_health()
     slog.info("preload: ready with %d KV blocks", worker.runner.num_blocks if worker.runner else 0)
+
+
+async def exit_when_idle(sc: Sidecar, server: Any) -> None:
+    """After SIGTERM: tell uvicorn to stop once no call runs (or the shutdown deadline passed)."""
+    thread = sc.thread
+    while (thread is not None and (thread.busy or thread.depth()) and not server.should_exit
+           and time.monotonic() < (sc.deadline or 0)):
+        await asyncio.sleep(0.02)
+    # uvicorn's own wait for open connections gets only what is left of the deadline.
+    server.config.timeout_graceful_shutdown = max(0.1, (sc.deadline or 0) - time.monotonic())
+    server.should_exit = True
 
 
 async def _drain(sc: Sidecar) -> None:
@@ -360,13 +357,21 @@ def serve(config: Config) -> int:
                         lifespan="on", log_config=None)
 
     class Server(uvicorn.Server):
+        exit_requested = False
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Not uvicorn's: it re-raises the signal after shutdown, so the process would die of
             # SIGTERM (or KeyboardInterrupt) instead of exiting 0 once drained.
             sc.begin_drain()  # new RPCs get 503 while the in-flight step finishes
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: stop waiting
-            self.should_exit = True  # (no logging here: a signal handler must not take the handler lock)
+            if self.exit_requested and sig == signal.SIGINT:
+                self.force_exit = self.should_exit = True  # a second Ctrl-C: stop waiting
+            if not self.exit_requested and sc.loop is not None:
+                # The listener stays open (new connections get 503) until the running call is done.
+                with contextlib.suppress(RuntimeError):
+                    sc.loop.call_soon_threadsafe(lambda: sc.loop and sc.loop.create_task(exit_when_idle(sc, self)))
+            else:
+                self.should_exit = True  # (no logging here: a signal handler must not take the handler lock)
+            self.exit_requested = True
 
     server = Server(uv)
     if sock is not None:
@@ -381,6 +386,7 @@ def serve(config: Config) -> int:
                 os.unlink(config.uds)
     if not server.started:
         return 1
+    mx.clear_streams()  # this thread's, if any (the MLX thread clears its own when it ends)
     if server.force_exit or not sc.clean_shutdown:
         # The MLX thread may still be inside a computation: do not run interpreter finalisation
         # (and MLX's static destructors) under it.

@@ -65,7 +65,9 @@ class TextFormatter(logging.Formatter):
 
 def configure_logging(level: str = "warning", fmt: str = "text") -> None:
     """Route everything (our loggers, uvicorn's) through one stderr handler in the chosen format."""
-    import uvicorn.logging  # noqa: F401 - registers the TRACE level name
+    from uvicorn.logging import TRACE_LOG_LEVEL
+
+    logging.addLevelName(TRACE_LOG_LEVEL, "TRACE")  # uvicorn only names it when its own config runs
 
     if level.lower() not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")

@@ -16,7 +16,7 @@ the MLX thread); prometheus-client's children are thread-safe.
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from sidecar import __version__
 from sidecar.runner.model_runner import StepStats
+from sidecar.server.instance import Instance
 from sidecar.worker import MLXWorker, State, device_memory_bytes
 
 PREFIX = "mlx_worker_"
@@ -58,11 +59,10 @@ class Snapshot:
     max_model_len: int | None = None
     vocab_size: int | None = None
     kv_cache_spec: dict | None = None
-    # One block table per running request. The tables are the runner's own lists, referenced, not
-    # copied (publishing stays O(requests) per step); the scrape counts distinct blocks over them.
-    # Iterating a list another thread appends to is safe in CPython, and the runner replaces tables
-    # rather than editing them.
-    block_tables: tuple[list[int], ...] = field(default=())
+    # Counted here, on the MLX thread, once per call (block tables are bounded by max_model_len
+    # and live requests by --max-live-requests), so a scrape is O(1) whatever the worker holds.
+    blocks_used: int = 0
+    running_requests: int = 0
 
     @classmethod
     def of(cls, w: MLXWorker) -> Snapshot:
@@ -83,11 +83,10 @@ class Snapshot:
             max_model_len=runner.max_model_len if runner is not None else None,
             vocab_size=runner.vocab_size if runner is not None else None,
             kv_cache_spec={f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(specs)} if specs else None,
-            block_tables=tuple(s.block_ids for s in runner.requests.values()) if runner is not None and pool else (),
+            blocks_used=len(set().union(*(s.block_ids for s in runner.requests.values())))
+            if runner is not None and pool else 0,
+            running_requests=len(runner.requests) if runner is not None and pool else 0,
         )
-
-    def blocks_used(self) -> int:
-        return len(set().union(*self.block_tables)) if self.block_tables else 0
 
 
 class WorkerCollector(Collector):
@@ -122,16 +121,23 @@ class WorkerCollector(Collector):
         yield gauge("memory_total_bytes", "Device memory (the recommended working set on Metal, physical memory on CPU)",
                     snap.memory_total_bytes)
         yield gauge("model_weights_bytes", "Bytes of the loaded weights", snap.weights_bytes)
-        blocks, used = snap.num_blocks, snap.blocks_used()
+        blocks, used = snap.num_blocks, snap.blocks_used
         yield gauge("kv_cache_blocks", "KV cache blocks in the pool", blocks)
         yield gauge("kv_cache_blocks_used", "Distinct blocks referenced by the requests the worker holds", used)
         yield gauge("kv_cache_usage_ratio", "kv_cache_blocks_used / kv_cache_blocks", used / blocks if blocks else 0.0)
         yield gauge("kv_cache_block_size_bytes", "Bytes of one block across all layers (K and V)", snap.block_size_bytes)
-        yield gauge("running_requests", "Requests the worker holds state for", len(snap.block_tables))
+        yield gauge("running_requests", "Requests the worker holds state for", snap.running_requests)
         yield gauge("last_step_duration_seconds", "Duration of the last execute_model that ran a forward pass",
                     self._metrics.last_step_seconds)
+        start = GaugeMetricFamily(p + "start_time_seconds", "Unix time this server instance started; the label "
+                                  "is the instance id of /info and the X-Sidecar-Instance header", labels=["instance_id"])
+        start.add_metric([self._metrics.instance.id], self._metrics.instance.started_at)
+        yield start
         yield gauge("last_health_check_timestamp_seconds", "Unix time of the last health check (0: never)",
                     w.last_health_check)
+        m = self._metrics
+        yield gauge("spec_decode_acceptance_ratio", "Speculative decoding: accepted / verified draft tokens since start "
+                    "(0 before any)", m.spec_accepted / m.spec_drafts if m.spec_drafts else 0.0)
 
 
 class _WithoutCreated(Collector):
@@ -151,6 +157,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, worker: Callable[[], MLXWorker], *, process: bool = True):
         self.registry = registry
         self.snapshot = Snapshot()
+        self.instance = Instance()  # the app sets the server's own
         self.last_step_seconds = 0.0
         p = PREFIX
         events = CollectorRegistry()  # the counters and histograms, exposed through registry
@@ -170,6 +177,12 @@ class Metrics:
         self.step_batch_size = Histogram(p + "step_batch_size", "Requests per step", buckets=BATCH_BUCKETS, registry=events)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "From a request's first sight to its first sampled token",
                               buckets=TTFT_BUCKETS, registry=events)
+        # Speculative decoding (runner/spec_decode.py): the acceptance rate is accepted / draft tokens.
+        self.spec_draft_tokens = Counter(p + "spec_decode_draft_tokens", "Draft tokens verified", registry=events)
+        self.spec_accepted_tokens = Counter(p + "spec_decode_accepted_tokens", "Draft tokens accepted", registry=events)
+        self.spec_drafts_per_step = Histogram(p + "spec_decode_draft_tokens_per_step", "Draft tokens verified per step "
+                                              "(steps with drafts)", buckets=TOKEN_BUCKETS, registry=events)
+        self.spec_drafts = self.spec_accepted = 0
         registry.register(_WithoutCreated(events))
         registry.register(WorkerCollector(self, worker))
         if process:  # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
@@ -212,3 +225,9 @@ class Metrics:
         self.generation_tokens.inc(stats.generated_tokens)
         for t in stats.first_token_latencies:
             self.ttft.observe(t)
+        if stats.draft_tokens:
+            self.spec_draft_tokens.inc(stats.draft_tokens)
+            self.spec_accepted_tokens.inc(stats.accepted_tokens)
+            self.spec_drafts_per_step.observe(stats.draft_tokens)
+            self.spec_drafts += stats.draft_tokens
+            self.spec_accepted += stats.accepted_tokens

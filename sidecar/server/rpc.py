@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
+from sidecar.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
 from sidecar.worker import ALLOWED, MLXWorker
 
 log = logging.getLogger("sidecar.rpc")
@@ -20,17 +21,35 @@ log = logging.getLogger("sidecar.rpc")
 METHODS = tuple(ALLOWED)
 
 
-def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict) -> Callable[[], Any]:
-    """Check kwargs against the method's signature (400 naming the field) and return the call."""
+def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger | None = None,
+                fingerprint: bytes = b"") -> Callable[[], Any]:
+    """Check kwargs against the method's signature (400 naming the field) and return the call.
+    A null argument means the parameter's default. With `steps`, step methods take an optional
+    `step_id` (exactly-once retries, see steps.py); `fingerprint` identifies the body."""
     fn = getattr(worker, method)
     params = inspect.signature(fn).parameters
+    step_id = step_id_of(kwargs, method) if steps is not None else None
+    for key in [k for k, v in kwargs.items() if v is None and k in params]:
+        if params[key].default is not inspect.Parameter.empty:
+            del kwargs[key]
     for key in kwargs:
         if key not in params:
             raise ProtocolError(f"{method} takes no argument {key!r} (takes: {', '.join(params) or 'none'})", field=key)
     for name, p in params.items():
         if p.default is inspect.Parameter.empty and name not in kwargs:
             raise ProtocolError(f"{method} needs argument {name!r}", field=name)
-    return lambda: to_wire(fn(**kwargs))
+    if steps is None:
+        return lambda: to_wire(fn(**kwargs))
+    if method in STEP_METHODS:
+        return lambda: steps.run(step_id, method, lambda: to_wire(fn(**kwargs)), fingerprint)
+
+    def call() -> Any:
+        result = to_wire(fn(**kwargs))
+        if method in RESETS:
+            steps.reset()  # the request state the kept replies describe is gone
+        return result
+
+    return call
 
 
 def to_wire(value: Any) -> Any:
@@ -66,6 +85,16 @@ class MLXThread:
         self._thread.start()
 
     def _loop(self) -> None:
+        try:
+            self._run_jobs()
+        finally:
+            # MLX (>= 0.32) frees a thread's streams only when told to, before the thread ends;
+            # left to process exit, its destructors can abort ("terminate called ...", SIGABRT).
+            import mlx.core as mx
+
+            mx.clear_streams()
+
+    def _run_jobs(self) -> None:
         while (job := self._queue.get()) is not None:
             if job.cancelled:
                 continue

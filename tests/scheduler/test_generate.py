@@ -27,3 +27,29 @@ def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> Non
         again = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12",
                                 "--temperature", "1.0", "--seed", "5", prompt], capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and again.stdout != out.stdout
+
+
+def test_generate_with_ngram_speculation_prints_the_same_text(home: str, oracle_model) -> None:
+    """`generate --speculative ngram` against a server running the n-gram proposer: the worker's
+    drafts (take_draft_token_ids) are verified, the text is mlx-lm's greedy text, and the
+    acceptance shows in the server's metrics."""
+    from tests.server.test_metrics import samples, scrape
+
+    tok = load_tokenizer(str(resolve_model("builtin:tiny", home)))
+    prompt = "one two three one two three one two three one two"
+    want_ids, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), tok.encode(prompt).ids, 40)
+    if 1 in want_ids:
+        want_ids = want_ids[: want_ids.index(1) + 1]
+    want = tok.decode(want_ids, skip_special_tokens=True)
+    with start_server("--speculative-method", "ngram", "--prompt-lookup-min", "1", "--max-num-batched-tokens", "64",
+                      "--max-num-seqs", "4") as s:  # small profile-run shapes: a quick start
+        out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "40",
+                              "--speculative", "ngram", prompt], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == want + "\n"
+        assert "drafts accepted" in out.stderr
+        m = samples(scrape(s.url))
+        drafted = m[("mlx_worker_spec_decode_draft_tokens_total", ())]
+        accepted = m[("mlx_worker_spec_decode_accepted_tokens_total", ())]
+        assert 0 < accepted <= drafted
+        assert m[("mlx_worker_spec_decode_acceptance_ratio", ())] == accepted / drafted

@@ -37,12 +37,15 @@ GAUGES: dict[str, set[str]] = {
     "memory_limit_bytes": set(), "memory_total_bytes": set(), "model_weights_bytes": set(),
     "kv_cache_blocks": set(), "kv_cache_blocks_used": set(), "kv_cache_usage_ratio": set(),
     "kv_cache_block_size_bytes": set(), "running_requests": set(), "last_step_duration_seconds": set(),
-    "last_health_check_timestamp_seconds": set(),
+    "last_health_check_timestamp_seconds": set(), "start_time_seconds": {"instance_id"},  # issue 9
+    "spec_decode_acceptance_ratio": set(),  # issue 12
 }
 COUNTERS = {"rpc_requests": {"method", "code"}, "prompt_tokens": set(), "generation_tokens": set(),
-            "steps": set(), "errors": {"type"}}
+            "steps": set(), "errors": {"type"},
+            "spec_decode_draft_tokens": set(), "spec_decode_accepted_tokens": set()}  # issue 12
 HISTOGRAMS = {"rpc_duration_seconds": {"method"}, "step_duration_seconds": set(), "step_tokens": set(),
-              "step_batch_size": set(), "time_to_first_token_seconds": set()}
+              "step_batch_size": set(), "time_to_first_token_seconds": set(),
+              "spec_decode_draft_tokens_per_step": set()}  # issue 12
 
 
 def need_tool(name: str) -> str:

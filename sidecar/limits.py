@@ -1,0 +1,145 @@
+"""Bounds on what a scheduler can make the worker hold, checked by shape before a step is decoded.
+
+Plain Python, no MLX. `check_step_shape` looks only at container lengths (and the lengths of the
+ids), in the raw decoded map, so an oversized part of a body is rejected in time independent of
+its size; what has the wrong type is left for the full decode to report. Limits (docs/protocol.md):
+
+- a block table holds at most ceil(max_model_len / block_size) + TABLE_SLACK_BLOCKS (4) blocks,
+  per KV cache group; at most MAX_KV_CACHE_GROUPS groups;
+- a prompt or a request's stated tokens are at most max_model_len long;
+- a req_id is at most --max-req-id-len characters (default 256);
+- the worker holds at most --max-live-requests requests (default 1024);
+- finished_req_ids / preempted_req_ids have at most MAX_ID_LIST ids;
+- per request, logit_bias, allowed_token_ids and stop_token_ids have at most vocab_size entries,
+  bad_words_token_ids at most MAX_BAD_WORDS words of at most max_model_len tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from sidecar.errors import ProtocolError
+
+MAX_KV_CACHE_GROUPS = 16
+MAX_ID_LIST = 65536
+MAX_BAD_WORDS = 4096
+# Blocks a table may hold beyond what max_model_len needs: lookahead/speculative slots, and
+# schedulers that allocate a few blocks ahead.
+TABLE_SLACK_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    block_size: int
+    max_live_requests: int = 1024
+    max_req_id_len: int = 256
+    vocab_size: int = 1 << 30
+
+    @classmethod
+    def of(cls, config: Any, max_model_len: int, vocab_size: int) -> Limits:
+        return cls(max_model_len, config.block_size, config.max_live_requests, config.max_req_id_len, vocab_size)
+
+    @property
+    def max_table_len(self) -> int:
+        return -(-self.max_model_len // self.block_size) + TABLE_SLACK_BLOCKS
+
+
+def _list(value: Any) -> list:
+    return value if type(value) is list else []
+
+
+def _len(value: Any) -> int:
+    return len(value) if type(value) in (list, dict) else 0
+
+
+def _at_most(value: Any, limit: int, what: str, path: str) -> None:
+    if _len(value) > limit:
+        raise ProtocolError(f"{what} has {len(value)} entries, the limit is {limit}", field=path)
+
+
+def _req_id(value: Any, lim: Limits, path: str) -> None:
+    if type(value) is str and len(value) > lim.max_req_id_len:
+        raise ProtocolError(f"req_id of {len(value)} characters is over the limit of {lim.max_req_id_len} "
+                            "(--max-req-id-len)", field=path)
+
+
+def _ids(value: Any, lim: Limits, path: str, limit: int) -> None:
+    _at_most(value, limit, path, path)
+    if type(value) is list and value and set(map(type, value)) == {str} and max(map(len, value)) > lim.max_req_id_len:
+        i = next(i for i, v in enumerate(value) if len(v) > lim.max_req_id_len)
+        _req_id(value[i], lim, f"{path}[{i}]")
+
+
+def _groups(value: Any, lim: Limits, path: str, already: int = 0) -> None:
+    _at_most(value, MAX_KV_CACHE_GROUPS, "block_ids (one list per KV cache group)", path)
+    if type(value) is list:
+        for g, table in enumerate(value):
+            if _len(table) + already > lim.max_table_len:
+                raise ProtocolError(f"block table of {_len(table) + already} blocks is over the limit of "
+                                    f"{lim.max_table_len} (ceil(max_model_len / block_size) + {TABLE_SLACK_BLOCKS})",
+                                    field=f"{path}[{g}]")
+
+
+def _sampling(sp: dict, lim: Limits, path: str) -> None:
+    for key in ("logit_bias", "allowed_token_ids", "stop_token_ids", "_all_stop_token_ids"):
+        _at_most(sp.get(key), lim.vocab_size, f"{key} (one per vocabulary token)", f"{path}.{key}")
+    for key in ("bad_words_token_ids", "_bad_words_token_ids"):
+        words = sp.get(key)
+        _at_most(words, MAX_BAD_WORDS, key, f"{path}.{key}")
+        for i, w in enumerate(_list(words)):
+            _at_most(w, lim.max_model_len, "a bad word (max_model_len)", f"{path}.{key}[{i}]")
+
+
+def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
+    """Raise ProtocolError (with the field) when a scheduler_output breaks a bound."""
+    if type(so) is not dict:
+        return
+    new = so.get("scheduled_new_reqs")
+    _at_most(new, lim.max_live_requests, "scheduled_new_reqs", "scheduled_new_reqs")
+    for i, nr in enumerate(new if type(new) is list else ()):
+        if type(nr) is not dict:
+            continue
+        path = f"scheduled_new_reqs[{i}]"
+        _req_id(nr.get("req_id"), lim, f"{path}.req_id")
+        _at_most(nr.get("prompt_token_ids"), lim.max_model_len, "prompt_token_ids (max_model_len)", f"{path}.prompt_token_ids")
+        _groups(nr.get("block_ids"), lim, f"{path}.block_ids")
+        sp = nr.get("sampling_params")
+        if type(sp) is dict:
+            _sampling(sp, lim, f"{path}.sampling_params")
+    cached = so.get("scheduled_cached_reqs")
+    n = 0
+    if type(cached) is dict:
+        path = "scheduled_cached_reqs"
+        rids = cached.get("req_ids")
+        _ids(rids, lim, f"{path}.req_ids", lim.max_live_requests)
+        n = _len(rids)
+        for key in ("new_token_ids", "new_block_ids", "num_computed_tokens", "num_output_tokens", "resumed_from_preemption"):
+            v = cached.get(key)
+            if type(v) is list and len(v) != n:
+                raise ProtocolError(f"{key} has {len(v)} entries for {n} req_ids", field=f"{path}.{key}")
+        _ids(cached.get("resumed_req_ids"), lim, f"{path}.resumed_req_ids", lim.max_live_requests)
+        resumed = cached.get("resumed_req_ids")
+        resumed = set(resumed) if type(resumed) is list and set(map(type, resumed)) <= {str} else set()
+        for i, toks in enumerate(_list(cached.get("new_token_ids"))):
+            _at_most(toks, lim.max_model_len, "new_token_ids (max_model_len)", f"{path}.new_token_ids[{i}]")
+        for i, groups in enumerate(_list(cached.get("new_block_ids"))):
+            rid = rids[i] if type(rids) is list else None
+            state = requests.get(rid) if type(rid) is str and rid not in resumed else None
+            _groups(groups, lim, f"{path}.new_block_ids[{i}]", len(state.block_ids) if state is not None else 0)
+        all_tokens = cached.get("all_token_ids")
+        _at_most(all_tokens, lim.max_live_requests, "all_token_ids", f"{path}.all_token_ids")
+        for rid, toks in (all_tokens.items() if type(all_tokens) is dict else ()):
+            _at_most(toks, lim.max_model_len, "all_token_ids (max_model_len)", f"{path}.all_token_ids.{rid}")
+    nst = so.get("num_scheduled_tokens")
+    _at_most(nst, _len(new) + n, "num_scheduled_tokens (one per scheduled request)", "num_scheduled_tokens")
+    for key in ("finished_req_ids", "preempted_req_ids"):
+        _ids(so.get(key), lim, key, MAX_ID_LIST)
+    # Live requests after the step: the held ones, minus the finished, plus the new.
+    finished = so.get("finished_req_ids")
+    gone = len({r for r in finished if type(r) is str} & requests.keys()) if type(finished) is list else 0
+    if len(requests) - gone + _len(new) > lim.max_live_requests:
+        raise ProtocolError(f"the step would leave {len(requests) - gone + _len(new)} live requests, over the limit "
+                            f"of {lim.max_live_requests} (--max-live-requests); finish some first",
+                            field="scheduled_new_reqs")

@@ -1,0 +1,61 @@
+"""HTTP details of the RPC route: request ids, content negotiation, reading the body, encoding the reply."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from sidecar.codec import JSON_TYPE, MSGPACK_TYPES, encode_body
+from sidecar.errors import ClientClosed, PayloadTooLarge
+
+# An incoming X-Request-Id is reused when it is a plain token (no spaces, quotes or control
+# characters that could forge log lines); anything else is replaced by a fresh id.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
+
+
+def request_id(given: str | None) -> str:
+    if given and _REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex[:16]
+
+
+def media_type(value: str) -> str:
+    return value.split(";", 1)[0].strip().lower()
+
+
+def wants_msgpack(accept: str, in_type: str) -> bool:
+    accept = accept.lower()
+    if any(t in accept for t in MSGPACK_TYPES):
+        return True
+    if JSON_TYPE in accept:
+        return False
+    return in_type in MSGPACK_TYPES
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"body of {length} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientClosed(f"the client closed the connection after {size} body bytes") from None
+    return b"".join(chunks)
+
+
+def encode_reply(payload: Any, as_msgpack: bool) -> tuple[bytes, Exception | None]:
+    """The reply body; when the payload cannot be encoded, a 500 envelope (ASCII-only message) and
+    the exception."""
+    try:
+        return encode_body(payload, as_msgpack), None
+    except Exception as e:  # noqa: BLE001
+        message = ascii(f"the reply could not be encoded: {type(e).__name__}: {e}")[1:-1]
+        return encode_body({"error": {"type": "internal_error", "message": message, "field": None}}, as_msgpack), e
