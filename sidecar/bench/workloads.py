@@ -83,17 +83,18 @@ def tiny_single_stream(b: Bench, pair_for: PairFor) -> None:
     b.raw["tiny_single_stream_pair_ratios"] = got["pair_ratios"]
 
 
-def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int]) -> Callable[[int], RunResult]:
-    """mlx-lm with the context but its last token prefilled once; each call decodes from there
-    and trims the cache back (stream_generate on the last prompt token with the prompt cache)."""
+def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int) -> Callable[[int], RunResult]:
+    """mlx-lm with the first `cached` context tokens prefilled once (what the sidecar's prefix
+    cache holds: its full blocks short of the last token); each call prefills the rest, decodes,
+    and trims the cache back (stream_generate on the uncached tail with the prompt cache)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     cache = make_prompt_cache(mlx.model)
-    for i in range(0, len(prompt) - 1, 2048):  # mlx-lm's own prefill step size
-        mlx.model(mx.array(prompt[i : min(i + 2048, len(prompt) - 1)])[None], cache=cache)
+    for i in range(0, cached, 2048):  # mlx-lm's own prefill step size
+        mlx.model(mx.array(prompt[i : min(i + 2048, cached)])[None], cache=cache)
         mx.eval([c.state for c in cache])
-    base = len(prompt) - 1
+    base = cached
 
     def run(new_tokens: int) -> RunResult:
         from sidecar.bench.sides import perf
@@ -102,7 +103,7 @@ def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int]) -> Callable[[int], Run
         toks: list[int] = []
         times: list[float] = []
         t0 = perf()
-        for r in stream_generate(mlx.model, mlx.tokenizer, prompt[-1:], max_tokens=new_tokens, prompt_cache=cache):
+        for r in stream_generate(mlx.model, mlx.tokenizer, prompt[base:], max_tokens=new_tokens, prompt_cache=cache):
             times.append(perf() - t0)
             toks.append(int(r.token))
         trim_prompt_cache(cache, cache[0].offset - base)
@@ -119,13 +120,13 @@ def long_context(b: Bench, pair_for: PairFor) -> None:
         prompt = b.prompt(n)
         # Prefill once per side: the sidecar's scheduler keeps the prompt's full blocks cached.
         res, sched = sidecar.run(requests_for([prompt], 1), tag=f"long{n}_prefill")
-        mlx_run = _mlx_cached_decode(mlx, prompt)
+        mlx_run = _mlx_cached_decode(mlx, prompt, (n - 1) // sidecar.block_size * sidecar.block_size)
         mlx_run(2)  # warm
 
         def side_run(n: int = n, prompt: list[int] = prompt, sched: Any = sched) -> RunResult:
             reqs = requests_for([prompt], p.long_new_tokens)
             r = sidecar.run(reqs, tag=f"long{n}", scheduler=copy.deepcopy(sched))[0]
-            if reqs[0].num_cached_tokens < n - sidecar.block_size:
+            if reqs[0].num_cached_tokens != (n - 1) // sidecar.block_size * sidecar.block_size:  # as mlx-lm's
                 b.notes.append(f"long_ctx {n}: only {reqs[0].num_cached_tokens} context tokens were cached")
             return r
 

@@ -1,7 +1,8 @@
 """The paged cache's read and write paths: where a batch's K/V go in the pool and come from.
 
-The pool of one layer is head-major, `[num_kv_heads, slots, head_dim]` (slot as in
-kv_cache.py: `block * block_size + offset`), so a run of consecutive slots is, for every head,
+The pool of one layer is head-major, `[1, num_kv_heads, slots, head_dim]` (slot as in
+kv_cache.py: `block * block_size + offset`; the leading 1 makes a read one slicing op, as
+mlx-lm's cache read is), so a run of consecutive slots is, for every head,
 one contiguous stretch of memory: exactly the layout of mlx-lm's own KVCache buffer
 (`[B, H, T, D]`, read as `keys[..., :offset, :]`). A row whose blocks are one run of consecutive
 block ids (what a block allocator hands out most of the time: the reference scheduler's does for
@@ -56,23 +57,24 @@ def plan_reads(table: np.ndarray, ctx: np.ndarray, block_size: int, length: int,
 
 
 def write(pool: mx.array, slots: mx.array, new: mx.array) -> mx.array:
-    """Scatter new [B, H, L, D] into the pool [H, S, D] at slots [B * L]; returns the pool (updated
-    in place: MLX donates its buffer when nothing else holds it)."""
+    """Scatter new [B, H, L, D] into the pool [1, H, S, D] at slots [B * L]; returns the pool
+    (updated in place: MLX donates its buffer when nothing else holds it). One row is written
+    as it comes (one op per layer and K/V, as mlx-lm's cache update)."""
     B, H, L, D = new.shape
     if new.dtype != pool.dtype:
         new = new.astype(pool.dtype)
-    pool[:, slots] = new.reshape(H, L, D) if B == 1 else new.swapaxes(0, 1).reshape(H, B * L, D)
+    pool[:, :, slots] = new if B == 1 else new.swapaxes(0, 1).reshape(1, H, B * L, D)
     return pool
 
 
 def read(pool: mx.array, plan: ReadPlan, dtype: mx.Dtype) -> mx.array:
     """The batch's keys or values, [B, H, K, D] contiguous per head (a view of the pool when in place)."""
     if plan.start is not None:
-        out = pool[None, :, plan.start : plan.start + plan.length]
+        out = pool[:, :, plan.start : plan.start + plan.length]
     else:
         # One gather whose result is already [B, H, K, D] row-major: index the pool's heads and
         # slots as one flat axis.
-        H, S, D = pool.shape
+        _, H, S, D = pool.shape
         idx = plan._index.get((H, S))
         if idx is None:  # once per plan for all layers of one shape
             heads = (mx.arange(H, dtype=mx.int32) * S)[None, :, None]

@@ -1,6 +1,6 @@
 """The paged KV block pool and the attention cache adapter that unmodified mlx-lm models accept.
 
-Each layer owns a slot pool `[num_kv_heads, num_blocks * block_size + 1, head_dim]` for K and
+Each layer owns a slot pool `[1, num_kv_heads, num_blocks * block_size + 1, head_dim]` for K and
 for V, allocated once (head-major, so a run of slots reads in place: attention.py). The extra
 last slot is a sink for the writes of padding positions, so a padded batch never touches a real
 block. Slot of position p of a request:
@@ -61,8 +61,8 @@ class KVPool:
         self.block_size = specs[0].block_size
         self.sink = num_blocks * self.block_size  # the padding slot
         slots = self.sink + 1
-        self.keys = [mx.zeros((s.num_kv_heads, slots, s.head_size), DTYPES[s.dtype]) for s in specs]
-        self.values = [mx.zeros((s.num_kv_heads, slots, s.head_size_v), DTYPES[s.dtype]) for s in specs]
+        self.keys = [mx.zeros((1, s.num_kv_heads, slots, s.head_size), DTYPES[s.dtype]) for s in specs]
+        self.values = [mx.zeros((1, s.num_kv_heads, slots, s.head_size_v), DTYPES[s.dtype]) for s in specs]
         mx.eval(self.keys, self.values)
 
     @property

@@ -18,9 +18,9 @@ BS = 4
 
 
 def naive(pool: np.ndarray, table: list[int], length: int) -> np.ndarray:
-    """[H, length, D]: the row's slots, one by one."""
+    """[H, length, D]: the row's slots, one by one (pool [1, H, S, D])."""
     slots = [table[p // BS] * BS + p % BS for p in range(length)]
-    return pool[:, slots]
+    return pool[0][:, slots]
 
 
 def plan(tables: list[list[int]], ctx: list[int], length: int, num_slots: int = 64 * BS + 1) -> attention.ReadPlan:
@@ -30,7 +30,7 @@ def plan(tables: list[list[int]], ctx: list[int], length: int, num_slots: int = 
 
 
 def test_one_run_is_read_in_place_and_exact() -> None:
-    pool = mx.random.normal((2, 64 * BS + 1, 8), key=mx.random.key(0))
+    pool = mx.random.normal((1, 2, 64 * BS + 1, 8), key=mx.random.key(0))
     p = plan([[5, 6, 7]], [10], 10)
     assert p.in_place and p.start == 5 * BS and p.slots is None
     got = attention.read(pool, p, mx.float32)
@@ -48,7 +48,7 @@ def test_one_run_is_read_in_place_and_exact() -> None:
     ([[1, 2], [3, 4, 5]], [7, 11], 3 * BS),  # two rows, even both runs
 ])
 def test_other_reads_are_gathered_and_exact(tables: list[list[int]], ctx: list[int], length: int) -> None:
-    pool = mx.random.normal((2, 64 * BS + 1, 8), key=mx.random.key(1))
+    pool = mx.random.normal((1, 2, 64 * BS + 1, 8), key=mx.random.key(1))
     p = plan(tables, ctx, length)
     assert not p.in_place and p.slots is not None
     got = np.array(attention.read(pool, p, mx.float32))
@@ -59,13 +59,13 @@ def test_other_reads_are_gathered_and_exact(tables: list[list[int]], ctx: list[i
 
 def test_read_is_not_trivially_equal() -> None:
     """Negative control for the checks above: a neighbour's slots differ from the row's."""
-    pool = np.array(mx.random.normal((2, 64 * BS + 1, 8), key=mx.random.key(2)))
+    pool = np.array(mx.random.normal((1, 2, 64 * BS + 1, 8), key=mx.random.key(2)))
     assert not np.array_equal(naive(pool, [5, 6, 7], 10), naive(pool, [5, 6, 8], 10))
     assert not np.array_equal(naive(pool, [5, 6, 7], 10), naive(pool, [6, 7, 8], 10))
 
 
 def test_write_then_read_round_trips() -> None:
-    pool = mx.zeros((2, 16 * BS + 1, 8))
+    pool = mx.zeros((1, 2, 16 * BS + 1, 8))
     new = mx.random.normal((1, 2, 3, 8), key=mx.random.key(3))
     table = [[2, 3]]
     lay = BatchLayout.build([2], [3], table, BS, 16 * BS)  # positions 2..4: slots 10, 11, 12
@@ -104,7 +104,7 @@ def test_stream_matches_mlx_lm_on_both_paths(make_worker, oracle_model, layout: 
         pool = w.runner.pool
         for i in range(len(pool.keys)):
             s = mx.arange(blocks[1] * bs, (blocks[1] + 1) * bs)
-            pool.keys[i][:, s] = mx.random.normal(pool.keys[i][:, s].shape, key=mx.random.key(i)) * 10
+            pool.keys[i][:, :, s] = mx.random.normal(pool.keys[i][:, :, s].shape, key=mx.random.key(i)) * 10
         mx.eval(pool.keys)
         d.add("b", prompt, blocks=list(blocks), computed=len(prompt) - 1)  # a's K/V as a cached prefix
         assert d.run(20)["b"] != want
