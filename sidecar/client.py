@@ -150,6 +150,9 @@ class RemoteWorker:
     def get_kv_cache_spec(self) -> dict[str, dict]:
         return self.call("get_kv_cache_spec")
 
+    def get_kv_cache_groups(self) -> list[dict]:
+        return self.call("get_kv_cache_groups")
+
     def get_cache_block_size_bytes(self) -> int:
         return self.call("get_cache_block_size_bytes")
 

@@ -23,7 +23,10 @@ from mlx.utils import tree_flatten
 from sidecar.config import Config, ConfigError
 from sidecar.errors import ProtocolError, StateError, Unavailable
 from sidecar.protocol import ModelRunnerOutput, check, get
-from sidecar.runner.kv_cache import DTYPES, KVPool, LayerSpec, dtype_name
+from sidecar.runner import kv_groups
+from sidecar.runner.kv_cache import DTYPES, KVPool, dtype_name
+from sidecar.runner.batch_caches import probe_batched
+from sidecar.runner.kv_spec import LayerSpec, derive, spec_wire
 from sidecar.runner.model_runner import ModelRunner
 from sidecar.runner.requests import RequestState, Row
 from sidecar.limits import Limits, check_step_shape
@@ -50,6 +53,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "load_model": ({S.DEVICE_READY}, "call init_device first (load_model runs once per init_device)"),
     "determine_available_memory": (_LOADED, "call load_model first"),
     "get_kv_cache_spec": (_LOADED | {S.SLEEPING}, "call load_model first"),
+    "get_kv_cache_groups": (_LOADED | {S.SLEEPING}, "call load_model first"),
     "get_cache_block_size_bytes": (_LOADED | {S.SLEEPING}, "call load_model first"),
     "get_model": (_LOADED, "call load_model first"),
     "vocab_size": (_LOADED | {S.SLEEPING}, "call load_model first"),
@@ -164,20 +168,38 @@ class MLXWorker:
             path = resolve_model(self.config.model, self.config.home)
             model, config = load_model(path)
             self.model, self.model_config, self.model_path = model, config, path
-            specs, vocab, eos = self._layer_specs(), self._vocab_size(), self._eos_ids()
-        except Exception as e:  # noqa: BLE001
+            vocab, eos = self._vocab_size(), self._eos_ids()
+        except (Exception, SystemExit) as e:  # noqa: BLE001 (mlx-lm's olmo module exits without ai2-olmo)
             self.model, self.model_config, self.model_path = None, {}, None
             why = "not found or not an mlx-lm model directory" if isinstance(e, ModelNotFound) else type(e).__name__
             raise ProtocolError(f"the configured model cannot be loaded ({why})", field="config.model") from None
+        kv_dtype = None if self.config.kv_dtype == "auto" else self.config.kv_dtype
+        try:
+            caches = derive(model, self.config.block_size, kv_dtype)  # 400 naming an unsupported layer kind
+        except BaseException:
+            self.model, self.model_config, self.model_path = None, {}, None
+            raise
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         cap = self.config.max_model_len or min(int(config.get("max_position_embeddings") or 4096), 32768)
         self.runner = ModelRunner(
-            model, specs, vocab_size=vocab, eos_token_ids=eos,
+            model, caches.specs, vocab_size=vocab, eos_token_ids=eos,
             max_model_len=cap, max_logprobs=self.config.max_logprobs, seed=self.config.seed,
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
+            caches=caches,
         )
+        try:
+            probe_batched(self.runner)
+        except BaseException:
+            self.runner = self.model = None
+            self.model_config = {}
+            raise
         from sidecar.runner.proposers import proposer_for
 
+        if caches.has_state and self.config.spec_method != "none":
+            self.runner = self.model = None
+            self.model_config = {}
+            raise ProtocolError("speculative decoding is not offered for models with recurrent state",
+                                field="config.speculative_method")
         self.runner.proposer = proposer_for(self.config, vocab_size=self._vocab_size(), max_model_len=cap,
                                             layer_specs=self._layer_specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
@@ -206,19 +228,14 @@ class MLXWorker:
         return sorted(set(ids))
 
     def _layer_specs(self, model_config: dict | None = None, model: nn.Module | None = None) -> list[LayerSpec]:
-        model_config = self.model_config if model_config is None else model_config
-        c = model_config.get("text_config", model_config)
-        heads = c["num_attention_heads"]
-        kv_heads = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
-        dtype = dtype_name(self._model_dtype()) if self.config.kv_dtype == "auto" else self.config.kv_dtype
-        types = c.get("layer_types") or ["full_attention"] * len((model or self.model).layers)  # type: ignore[union-attr]
-        window = c.get("sliding_window")
-        return [
-            LayerSpec(self.config.block_size, kv_heads, head_dim, head_dim, dtype,
-                      window if t == "sliding_attention" else None)
-            for t in types
-        ]
+        """A draft model's layer specs, measured from it like the model's own (plain cache lists only)."""
+        kv_dtype = None if self.config.kv_dtype == "auto" else self.config.kv_dtype
+        caches = derive(model or self.model, self.config.block_size, kv_dtype)
+        if (caches.has_state or caches.scalar_offsets or caches.mask_5d
+                or any(not isinstance(s, int) for s in caches.structure)):
+            raise ProtocolError("a draft model needs plain attention layers (no recurrent state, CacheList, "
+                                "grouped 5-D scores or one-row-at-a-time attention)", field="config.draft_model")
+        return caches.specs
 
     @lifecycle
     def determine_available_memory(self) -> int:
@@ -272,7 +289,13 @@ class MLXWorker:
     @lifecycle
     def get_kv_cache_spec(self) -> dict[str, dict]:
         assert self.runner is not None
-        return {f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(self.runner.specs)}
+        return spec_wire(self.runner.specs)
+
+    @lifecycle
+    def get_kv_cache_groups(self) -> list[dict]:
+        """The KV cache groups requests send block lists for, in order (vLLM's KVCacheGroupSpec)."""
+        assert self.runner is not None
+        return kv_groups.groups_view(self.runner)
 
     @lifecycle
     def get_cache_block_size_bytes(self) -> int:
@@ -302,6 +325,7 @@ class MLXWorker:
         num_blocks = get(kv_cache_config, "num_blocks", int, path)
         groups = get(kv_cache_config, "kv_cache_groups", list, path, default=[])
         ours = self.get_kv_cache_spec()
+        order = kv_groups.scheduler_groups(self.runner, groups, path)  # validated before anything changes
         named: set[str] = set()
         for i, g in enumerate(groups):
             gp = f"{path}.kv_cache_groups[{i}]"
@@ -313,13 +337,17 @@ class MLXWorker:
             named.update(names)
             spec = get(g, "kv_cache_spec", dict, gp, default={})
             bs = spec.get("block_size", self.config.block_size)
-            if bs != self.config.block_size:
+            # A recurrent-state group's block size means nothing here (one state slot per block id);
+            # vLLM's hybrid allocator sizes it to match page sizes.
+            state_group = bool(names) and ours[names[0]]["type"] == "mamba"
+            if bs != self.config.block_size and not state_group:
                 raise ProtocolError(f"block_size {bs} differs from the worker's {self.config.block_size}",
                                     field=f"{gp}.kv_cache_spec.block_size")
         if groups and named != set(ours):
             missing = sorted(set(ours) - named)[0]
             raise ProtocolError(f"layer {missing!r} is in no KV cache group", field=f"{path}.kv_cache_groups")
         self.initialize_cache(num_blocks, 0)
+        self.runner.set_groups(order)
 
     @lifecycle
     def compile_or_warm_up_model(self) -> float:
@@ -360,7 +388,7 @@ class MLXWorker:
         return {
             "type": c.get("model_type"), "num_layers": len(self.model.layers),  # type: ignore[union-attr]
             "hidden_size": c.get("hidden_size"), "num_attention_heads": c.get("num_attention_heads"),
-            "num_kv_heads": self.runner.specs[0].num_kv_heads if self.runner else None,
+            "num_kv_heads": next((s.num_kv_heads for s in self.runner.specs if s.kind != "state"), 0) if self.runner else None,
             "vocab_size": self._vocab_size(), "params": params, "weights_bytes": self.weights_bytes,
             "dtype": dtype_name(self._model_dtype()), "quantization": self.model_config.get("quantization"),
             "max_model_len": self.runner.max_model_len if self.runner else None,

@@ -56,6 +56,7 @@ class BuiltinSpec:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     version: int = 1  # bump whenever the generated files change
+    extra_config: dict | None = None  # family-specific config keys (sidecar.models.families)
 
 
 _TINY = BuiltinSpec(
@@ -235,7 +236,7 @@ def builtin_files(name: str) -> dict[str, dict]:
     vocab_size = _pad_vocab(tok, spec.vocab_size)
     bos, eos, pad = (tok["model"]["vocab"][t] for t in SPECIAL_TOKENS)
     config = {
-        "architectures": [_ARCHITECTURES[spec.model_type]],
+        "architectures": [_ARCHITECTURES.get(spec.model_type, "")],
         "model_type": spec.model_type,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
@@ -254,6 +255,7 @@ def builtin_files(name: str) -> dict[str, dict]:
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": pad,
+        **(spec.extra_config or {}),
     }
     tokenizer_config = {
         # Without tokenizer_class, transformers picks the family's tokenizer class from
@@ -342,3 +344,9 @@ def _init(name: str, shape: tuple[int, ...], config: dict, seed: int) -> np.ndar
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# Tiny random models of more mlx-lm families (windows, sinks, MLA, recurrent layers).
+from sidecar.models.families import builtin_specs  # noqa: E402
+
+BUILTIN_MODELS.update(builtin_specs(_TINY))

@@ -40,20 +40,23 @@ class ReadPlan:
     def in_place(self) -> bool:
         return self.start is not None
 
+    def slot_array(self) -> mx.array:
+        if self.slots is not None:
+            return self.slots
+        return mx.arange(self.start, self.start + self.length, dtype=mx.int32)[None]  # type: ignore[operator]
 
-def plan_reads(table: np.ndarray, ctx: np.ndarray, block_size: int, length: int, num_slots: int) -> ReadPlan:
-    """table [B, nblk] block ids (short tables padded, those entries masked), ctx [B] context
-    lengths, `length` slots read per row (a multiple of block_size, or exactly the context when
-    every row has the same), `num_slots` in the pool (padding sink included)."""
-    if table.shape[0] == 1:
-        n = -(-int(ctx[0]) // block_size)  # blocks holding context; the rest of the read is masked
-        row = table[0, :n]
-        start = int(row[0]) * block_size
-        if start + length <= num_slots and (n < 2 or bool((np.diff(row) == 1).all())):
-            return ReadPlan(length, start, None)
-    nblk = -(-length // block_size)
-    slots = (table[:, :nblk, None] * block_size + np.arange(block_size)).reshape(table.shape[0], -1)[:, :length]
-    return ReadPlan(length, None, mx.array(slots.astype(np.int32)))
+
+def is_run(row: np.ndarray) -> bool:
+    return row.size < 2 or bool((np.diff(row) == 1).all())
+
+
+def plan_reads(slots: np.ndarray) -> ReadPlan:
+    """slots [B, K]: the slot of every key each row reads (past a row's context: the padding
+    slot, masked). One row whose slots are consecutive is read in place."""
+    B, K = slots.shape
+    if B == 1 and is_run(slots[0]):
+        return ReadPlan(K, int(slots[0, 0]), None)
+    return ReadPlan(K, None, mx.array(slots.astype(np.int32)))
 
 
 def write(pool: mx.array, slots: mx.array, new: mx.array) -> mx.array:

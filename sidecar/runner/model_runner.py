@@ -19,8 +19,10 @@ import numpy as np
 
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from sidecar.runner.lora import LoRAManager
-from sidecar.runner.kv_cache import KVPool, LayerSpec, PagedCache
+from sidecar.runner.batch_caches import build_caches, exact_batches
+from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.layouts import LayoutBuilder
+from sidecar.runner.kv_spec import STATE, ModelCaches
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs
 from sidecar.runner.spec_decode import SpecCounters, Verified, verify
@@ -95,9 +97,12 @@ class StepStats:
 class ModelRunner:
     def __init__(self, model: nn.Module, specs: Sequence[LayerSpec], *, vocab_size: int,
                  eos_token_ids: Sequence[int], max_model_len: int, max_logprobs: int, seed: int = 0,
-                 lora_dir: str | None = None, max_loras: int = 8, decode_ahead: bool = True):
+                 lora_dir: str | None = None, max_loras: int = 8, decode_ahead: bool = True,
+                 caches: ModelCaches | None = None):
         self.model = model
         self.specs = list(specs)
+        self.caches = caches or ModelCaches(self.specs, list(range(len(self.specs))))
+        self.set_groups(self.caches.groups())
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -107,12 +112,23 @@ class ModelRunner:
         self.last_stats = StepStats()
         self._selection = _select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
-        self.decode_ahead = decode_ahead
+        # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
+        self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
         self._ahead: _Ahead | None = None
         self._layouts = LayoutBuilder()
         self.ahead_hits = self.ahead_misses = 0
         self.spec = SpecCounters()
         self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
+
+    def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """KV cache groups as leaf indices, in the order requests send their block lists."""
+        self.groups = [list(g) for g in groups]
+        self.group_of = [0] * len(self.specs)
+        for g, leaves in enumerate(self.groups):
+            for leaf in leaves:
+                self.group_of[leaf] = g
+        state = frozenset(g for g, leaves in enumerate(self.groups) if self.specs[leaves[0]].kind == STATE)
+        self.state_groups = state if self.caches.has_state else None
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
@@ -150,7 +166,7 @@ class ModelRunner:
         return self.pool.num_blocks if self.pool else 0
 
     def blocks_in_use(self) -> int:
-        return len({b for s in self.requests.values() for b in s.block_ids})
+        return len({b for s in self.requests.values() for t in [s.block_ids, *s.other_block_ids] for b in t})
 
     # --- the step -------------------------------------------------------------------------
 
@@ -161,11 +177,12 @@ class ModelRunner:
         assert self.pool is not None, "the cache must be initialised first"
         t0 = time.perf_counter()
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
-                         vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys())
+                         vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
+                         state_groups=self.state_groups, num_groups=len(self.groups))
         # Snapshot what `apply` and sampling touch, so an internal error rolls the state back.
         live = dict(self.requests)
-        touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at)
-                   for s in (row.state for row in plan.rows)]
+        touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at,
+                    s.other_block_ids) for s in (row.state for row in plan.rows)]
         apply(self.requests, plan)
         if self.proposer is not None:
             self.proposer.forget(plan.finished)
@@ -175,9 +192,10 @@ class ModelRunner:
         except BaseException:
             self._ahead = None
             self.requests = live
-            for s, blocks, computed, outputs, n, first in touched:
+            for s, blocks, computed, outputs, n, first, other in touched:
                 del outputs[n:]
                 s.block_ids, s.num_computed_tokens, s.output_token_ids, s.first_token_at = blocks, computed, outputs, first
+                s.other_block_ids = other
             raise
         self.last_stats.seconds = time.perf_counter() - t0
         return result
@@ -195,7 +213,8 @@ class ModelRunner:
                and len(r.state.output_token_ids) + 1 < (r.state.sampling_params.max_tokens or 1 << 62)]
         if not idx:
             return None
-        nxt = [Row(rows[i].state, rows[i].end, [0], rows[i].block_ids, True) for i in idx]
+        nxt = [Row(rows[i].state, rows[i].end, [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
+               for i in idx]
         last: list[mx.array | None] = [None] * len(nxt)
         nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
         self._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
@@ -212,7 +231,7 @@ class ModelRunner:
         for i in decode:
             r = rows[i]
             got = ahead.rows.get(r.state.req_id)
-            if got is not None and got[:3] == (r.start, r.token_ids[0], tuple(r.block_ids[: r.start // bs + 1])):
+            if got is not None and got[:3] == (r.start, r.token_ids[0], _blocks_key(r, r.start // bs + 1)):
                 last[i] = ahead.logits[got[3] : got[3] + 1]
             else:
                 rest.append(i)
@@ -229,9 +248,16 @@ class ModelRunner:
         decode = self._take_ahead(ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
-        for group in [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]:
+        if self.caches.has_state or self.caches.scalar_offsets:
+            batches = exact_batches(rows, decode + prefill, self.caches)
+        else:
+            batches = [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]
+        stores: list = []  # recurrent states are written back once every batch of the step is built
+        for group in batches:
             if group:
-                self._forward([rows[i] for i in group], group, last, prompt_lp)
+                self._forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
+        for store in stores:
+            store()
         logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
         started = None
         lazy = False
@@ -260,7 +286,7 @@ class ModelRunner:
             bs = self.pool.block_size
             idx, ahead_logits = started
             self._ahead = _Ahead({rows[i].state.req_id: (rows[i].end, int(res.token_ids[i]),
-                                                         tuple(rows[i].block_ids[: rows[i].end // bs + 1]), j)
+                                                         _blocks_key(rows[i], rows[i].end // bs + 1), j)
                                   for j, i in enumerate(idx)}, ahead_logits)
 
         now = time.monotonic()
@@ -304,7 +330,7 @@ class ModelRunner:
         )
 
     def _forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
-                 tokens: mx.array | None = None) -> None:
+                 tokens: mx.array | None = None, stores: list | None = None) -> None:
         """One padded batch; fills `last[where[b]]` with row b's final logits [1, V]. `tokens`
         [B, L] replaces the rows' token ids (the lazy tokens of a step still being sampled)."""
         pool = self.pool
@@ -316,8 +342,6 @@ class ModelRunner:
             for b, r in enumerate(rows):
                 ids[b, : lengths[b]] = r.token_ids
             tokens = mx.array(ids)
-        layout = self._layouts.build([r.start for r in rows], lengths, [r.block_ids for r in rows],
-                                     pool.block_size, pool.sink)
         # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
         select: list[int] = []
         last_at: list[int] = []
@@ -332,7 +356,7 @@ class ModelRunner:
             last_at.append(len(select))
             select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
         index = mx.array(select, dtype=mx.int32)
-        caches = [PagedCache(pool, i, layout) for i in range(len(pool.specs))]
+        caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths, self._layouts.build)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
@@ -341,6 +365,10 @@ class ModelRunner:
                 logits = self.model(tokens, cache=caches)[0]
             else:
                 logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)[index]
+            if stores is not None:
+                stores.append(store_states)
+            else:
+                store_states()
         finally:
             if self._selection is not None:
                 self._selection.index = None
@@ -357,6 +385,11 @@ class ModelRunner:
             return set()
         toks = [[int(t)] if r.sample else [] for r, t in zip(rows, res.token_ids)] if verified is None else verified.token_ids
         return self.proposer.propose(self, rows, toks)
+
+
+def _blocks_key(row: Row, n: int) -> tuple:
+    """Every group's first n blocks: an ahead forward wrote to exactly these."""
+    return tuple(tuple(t[:n]) for t in [row.block_ids, *row.other_block_ids])
 
 
 def _plain_greedy(row: Row) -> bool:

@@ -20,12 +20,13 @@ class RequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]  # the single KV cache group's block table
+    block_ids: list[int]  # the first KV cache group's block table
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: dict | None = None
     first_seen: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    other_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.. (empty: one table for all)
 
     @property
     def num_tokens(self) -> int:
@@ -52,32 +53,47 @@ class Row:
     block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens
     num_draft: int = 0  # the last num_draft token_ids are draft tokens to verify (spec_decode.py)
+    other_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    def tables(self, num_groups: int) -> list[list[int]]:
+        """One block table per KV cache group (a single table sent for all groups serves them all)."""
+        return [self.block_ids, *self.other_block_ids] if self.other_block_ids else [self.block_ids] * num_groups
 
 
 @dataclass
 class StepPlan:
     finished: list[str]
     new_states: list[RequestState]
-    # cached requests: (state, new block table, new output tokens or None)
-    updates: list[tuple[RequestState, list[int], list[int] | None]]
+    # cached requests: (state, new block tables (one per group sent), new output tokens or None)
+    updates: list[tuple[RequestState, list[list[int]], list[int] | None]]
     rows: list[Row]
 
 
-def _group0(groups: list[list[int]], path: str) -> list[int]:
-    if len(groups) != 1:
-        raise ProtocolError(f"expected 1 KV cache group, got {len(groups)}", field=path)
-    return groups[0]
+_NO_DRAFTS = "speculative decoding is not offered for models with recurrent state (a rejected draft cannot be undone)"
+
+
+def _groups(groups: list[list[int]], path: str, num_groups: int) -> list[list[int]]:
+    if len(groups) not in (1, num_groups):
+        want = "1" if num_groups == 1 else f"1 (shared by all groups) or {num_groups}"
+        raise ProtocolError(f"expected {want} KV cache group block lists, got {len(groups)}", field=path)
+    return groups
 
 
 def plan_step(
     requests: dict[str, RequestState], out: SchedulerOutput, *,
     num_blocks: int, block_size: int, vocab_size: int, max_model_len: int, loras: set[int] | frozenset[int] = frozenset(),
+    state_groups: frozenset[int] | None = None, num_groups: int = 1,
 ) -> StepPlan:
-    """Validate the whole batch and plan it; raises ProtocolError (with the field path) on any violation."""
+    """Validate the whole batch and plan it; raises ProtocolError (with the field path) on any violation.
+
+    `state_groups`: the groups of recurrent layers (None: the model has none). Their state lives in
+    the request's first block of the group; it cannot be recovered from blocks, so such a model
+    computes every request from position 0 (no prefix caching) and in order."""
+    recurrent = state_groups is not None
     finished = set(out.finished_req_ids)  # unknown finished ids are ignored, as vLLM's runner does
     live = {rid for rid in requests if rid not in finished}
 
@@ -98,6 +114,18 @@ def plan_step(
         if n is None or n < 1:
             raise ProtocolError(f"num_scheduled_tokens[{rid!r}] must be >= 1, got {n}", field=f"num_scheduled_tokens.{rid}")
         return n
+
+    def check_tables(tables: list[list[int]], end: int, path: str, index_single: bool) -> None:
+        for g, table in enumerate(tables):
+            gp = f"{path}[{g}]" if index_single or len(tables) > 1 else path
+            if len(tables) > 1 and state_groups and g in state_groups:
+                for j, b in enumerate(table):
+                    if not 0 <= b < num_blocks:
+                        raise ProtocolError(f"block id {b} outside [0, {num_blocks})", field=f"{gp}[{j}]")
+                if not table:
+                    raise ProtocolError("a recurrent state group needs the request's state block", field=gp)
+                continue
+            check_table(table, end, gp)
 
     def check_table(table: list[int], end: int, path: str) -> None:
         for j, b in enumerate(table):
@@ -123,19 +151,27 @@ def plan_step(
         check_tokens(nr.prompt_token_ids, f"{path}.prompt_token_ids")
         start, end = nr.num_computed_tokens, nr.num_computed_tokens + n
         drafts = check_drafts(out.scheduled_spec_decode_tokens, nr.req_id, start, n, len(nr.prompt_token_ids), vocab_size)
+        if recurrent and drafts:
+            raise ProtocolError(_NO_DRAFTS, field=f"scheduled_spec_decode_tokens.{nr.req_id}")
         if start < 0 or end - len(drafts) > len(nr.prompt_token_ids):
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the prompt of {len(nr.prompt_token_ids)}",
                 field=f"{path}.num_computed_tokens")
-        table = _group0(nr.block_ids, f"{path}.block_ids")
-        check_table(table, end, f"{path}.block_ids[0]")
+        if recurrent and start:
+            raise ProtocolError("prefix caching is not offered for models with recurrent state: "
+                                "num_computed_tokens must be 0", field=f"{path}.num_computed_tokens")
+        tables = _groups(nr.block_ids, f"{path}.block_ids", num_groups)
+        check_tables(tables, end, f"{path}.block_ids", True)
+        table = tables[0]
         if nr.lora_request is not None and nr.lora_request.get("lora_int_id") not in loras:
             raise ProtocolError(f"LoRA {nr.lora_request.get('lora_int_id')!r} is not loaded; call add_lora first",
                                 field=f"{path}.lora_request.lora_int_id")
-        state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start, lora_request=nr.lora_request)
+        state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start,
+                             lora_request=nr.lora_request, other_block_ids=list(tables[1:]))
         new_states.append(state)
         known = end - len(drafts)
-        rows.append(Row(state, start, state.tokens(start, known) + drafts, table, known == state.num_tokens, len(drafts)))
+        rows.append(Row(state, start, state.tokens(start, known) + drafts, table, known == state.num_tokens, len(drafts),
+                        list(tables[1:])))
 
     cached = out.scheduled_cached_reqs
     for i, rid in enumerate(cached.req_ids):
@@ -162,23 +198,35 @@ def plan_step(
         num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids if outputs is None else outputs)
         end = start + n
         drafts = check_drafts(out.scheduled_spec_decode_tokens, rid, start, n, num_tokens, vocab_size)
+        if recurrent and drafts:
+            raise ProtocolError(_NO_DRAFTS, field=f"scheduled_spec_decode_tokens.{rid}")
         if start < 0 or end - len(drafts) > num_tokens:
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the {num_tokens} known tokens of {rid!r}",
                 field=f"{path}.num_computed_tokens[{i}]")
+        resumed = rid in cached.resumed_req_ids
+        if recurrent and start != (0 if resumed else state.num_computed_tokens):
+            raise ProtocolError(f"a model with recurrent state continues {rid!r} from "
+                                f"{0 if resumed else state.num_computed_tokens} (no prefix caching, no rewind)",
+                                field=f"{path}.num_computed_tokens[{i}]")
         added = cached.new_block_ids[i]
-        added0 = _group0(added, f"{path}.new_block_ids[{i}]") if added is not None else []
-        if rid in cached.resumed_req_ids:
+        ngroups = len(added) if added is not None else 1 + len(state.other_block_ids)
+        if added is not None and not resumed and len(added) != 1 + len(state.other_block_ids):
+            raise ProtocolError(f"{len(added)} block lists for a request with {1 + len(state.other_block_ids)}",
+                                field=f"{path}.new_block_ids[{i}]")
+        added_g = _groups(added, f"{path}.new_block_ids[{i}]", num_groups) if added is not None else [[]] * ngroups
+        if resumed:
             if added is None:
                 raise ProtocolError(f"resumed request {rid!r} needs its new block table", field=f"{path}.new_block_ids[{i}]")
-            table = list(added0)
+            tables = [list(t) for t in added_g]
         else:
-            table = state.block_ids + added0
-        check_table(table, end, f"{path}.new_block_ids[{i}]")
-        updates.append((state, table, outputs))
+            tables = [old + new for old, new in zip([state.block_ids, *state.other_block_ids], added_g)]
+        check_tables(tables, end, f"{path}.new_block_ids[{i}]", False)
+        updates.append((state, tables, outputs))
         all_toks = state.prompt_token_ids + (state.output_token_ids if outputs is None else outputs)
         known = end - len(drafts)
-        rows.append(Row(state, start, all_toks[start:known] + drafts, table, known == num_tokens, len(drafts)))
+        rows.append(Row(state, start, all_toks[start:known] + drafts, tables[0], known == num_tokens, len(drafts),
+                        tables[1:]))
 
     check_no_stray_drafts(out.scheduled_spec_decode_tokens, seen)
     extra = set(out.num_scheduled_tokens) - seen
@@ -199,8 +247,8 @@ def apply(requests: dict[str, RequestState], plan: StepPlan) -> None:
         del requests[rid]
     for state in plan.new_states:
         requests[state.req_id] = state
-    for state, table, outputs in plan.updates:
-        state.block_ids = table
+    for state, tables, outputs in plan.updates:
+        state.block_ids, state.other_block_ids = tables[0], tables[1:]
         if outputs is not None:
             state.output_token_ids = list(outputs)
     for row in plan.rows:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sidecar.client import RemoteError, RemoteWorker
-from sidecar.scheduler.scheduler import Event, Request, Scheduler, run
+from sidecar.scheduler.scheduler import Event, Request, Scheduler, prefix_caching_offered, run
 
 
 def bring_up(worker: RemoteWorker, state: str, max_blocks: int = 8192) -> None:
@@ -79,7 +79,8 @@ def generate_cli(args: argparse.Namespace) -> int:
         model = worker.get_model()
         tok = load_tokenizer(args.model or model["path"])
         sched = Scheduler(num_blocks=info["num_blocks"], block_size=info["block_size"],
-                          eos_token_ids=model["eos_token_ids"], max_model_len=info.get("max_model_len") or 0)
+                          eos_token_ids=model["eos_token_ids"], max_model_len=info.get("max_model_len") or 0,
+                          enable_prefix_caching=prefix_caching_offered(info.get("kv_cache_spec")))
         sampling: dict = {"temperature": args.temperature}
         if args.seed is not None:
             sampling["seed"] = args.seed

@@ -93,6 +93,12 @@ class Event:
     finish_reason: str | None = None
 
 
+def prefix_caching_offered(kv_cache_spec: dict | None) -> bool:
+    """False when a layer keeps recurrent state (spec type "mamba", `prefix_caching: false`): its
+    state cannot be rebuilt from cached blocks, so every request is computed from position 0."""
+    return not any(s.get("prefix_caching") is False for s in (kv_cache_spec or {}).values())
+
+
 class Scheduler:
     def __init__(
         self, *, num_blocks: int, block_size: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,

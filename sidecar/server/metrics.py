@@ -25,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
+from sidecar.runner.kv_spec import spec_wire
 from sidecar.runner.model_runner import StepStats
 from sidecar.server.instance import Instance
 from sidecar.worker import MLXWorker, State, device_memory_bytes
@@ -82,8 +83,8 @@ class Snapshot:
             block_size_bytes=sum(s.page_size_bytes for s in specs),
             max_model_len=runner.max_model_len if runner is not None else None,
             vocab_size=runner.vocab_size if runner is not None else None,
-            kv_cache_spec={f"model.layers.{i}.self_attn": s.to_wire() for i, s in enumerate(specs)} if specs else None,
-            blocks_used=len(set().union(*(s.block_ids for s in runner.requests.values())))
+            kv_cache_spec=spec_wire(specs) if specs else None,
+            blocks_used=len(set().union(*(t for r in runner.requests.values() for t in [r.block_ids, *r.other_block_ids])))
             if runner is not None and pool else 0,
             running_requests=len(runner.requests) if runner is not None and pool else 0,
         )

@@ -23,10 +23,11 @@ def naive(pool: np.ndarray, table: list[int], length: int) -> np.ndarray:
     return pool[0][:, slots]
 
 
-def plan(tables: list[list[int]], ctx: list[int], length: int, num_slots: int = 64 * BS + 1) -> attention.ReadPlan:
-    width = max(map(len, tables))
-    t = np.array([tb + [0] * (width - len(tb)) for tb in tables])
-    return attention.plan_reads(t, np.array(ctx), BS, length, num_slots)
+def plan(tables: list[list[int]], ctx: list[int], length: int, sink: int = 64 * BS) -> attention.ReadPlan:
+    """The plan for rows reading `length` keys (past a row's context: the padding slot)."""
+    slots = np.array([[t[p // BS] * BS + p % BS if p < n else sink for p in range(length)]
+                      for t, n in zip(tables, ctx)])
+    return attention.plan_reads(slots)
 
 
 def test_one_run_is_read_in_place_and_exact() -> None:
@@ -45,7 +46,7 @@ def test_one_run_is_read_in_place_and_exact() -> None:
     ([[5, 7, 6]], [10], 10),  # out of order
     ([[7, 6, 5]], [12], 12),  # descending (an LRU free list hands these out)
     ([[5, 6, 9]], [10], 10),  # a run, then a jump
-    ([[1, 2], [3, 4, 5]], [7, 11], 3 * BS),  # two rows, even both runs
+    ([[1, 2], [3, 4, 5]], [7, 11], 11),  # two rows, even both runs
 ])
 def test_other_reads_are_gathered_and_exact(tables: list[list[int]], ctx: list[int], length: int) -> None:
     pool = mx.random.normal((1, 2, 64 * BS + 1, 8), key=mx.random.key(1))

@@ -1,5 +1,4 @@
-"""The decode fast path builds what BatchLayout.build builds, and reuses a gather plan only
-while the block tables it read are unchanged."""
+"""The decode fast path builds what BatchLayout.build builds, reading one run in place."""
 
 from __future__ import annotations
 
@@ -19,7 +18,8 @@ SINK = NUM_BLOCKS * BS
 def same(a: BatchLayout, b: BatchLayout) -> None:
     for name in ("offsets", "write_slots", "query_pos", "ctx_lens"):
         np.testing.assert_array_equal(np.array(getattr(a, name)), np.array(getattr(b, name)), err_msg=name)
-    assert a.uniform == b.uniform
+    assert (a.uniform, a.scalar_offset, a.start_position) == (b.uniform, b.scalar_offset, b.start_position)
+    assert (a.key_pos is None, a.valid_q is None) == (b.key_pos is None, b.valid_q is None)
     assert (a.reads.length, a.reads.start) == (b.reads.length, b.reads.start)
     assert (a.reads.slots is None) == (b.reads.slots is None)
     if a.reads.slots is not None:
@@ -60,16 +60,16 @@ def test_decode_fast_path_equals_general_build(seed: int) -> None:
     same(got, want)
 
 
-def test_gather_plan_is_reused_only_while_tables_are_unchanged() -> None:
+def test_one_run_is_in_place_and_a_broken_run_is_not() -> None:
     b = LayoutBuilder()
-    tables = [[3, 9], [5, 1]]
-    first = b.build([4, 5], [1, 1], tables, BS, SINK)
-    second = b.build([5, 6], [1, 1], [list(t) for t in tables], BS, SINK)  # next step, same tables
-    assert second.reads is first.reads
-    # Negative control: a changed table (a resumed request's new blocks) gets a fresh plan.
-    third = b.build([5, 6], [1, 1], [[3, 9], [5, 2]], BS, SINK)
-    assert third.reads is not first.reads
-    same(third, BatchLayout.build([5, 6], [1, 1], [[3, 9], [5, 2]], BS, SINK))
+    assert b.build([9], [1], [[4, 5, 6]], BS, SINK).reads.start == 4 * BS
+    assert b.build([9], [1], [[4, 6, 7]], BS, SINK).reads.slots is not None  # negative control
+
+
+@pytest.mark.parametrize("kw", [{"window": 3}, {"chunk": 8}, {"scalar": True}])
+def test_window_chunk_and_scalar_layouts_take_the_general_path(kw: dict) -> None:
+    args = ([9], [1], [[4, 5, 6]], BS, SINK)
+    same(LayoutBuilder().build(*args, **kw), BatchLayout.build(*args, **kw))
 
 
 def test_prefill_takes_the_general_path() -> None:

@@ -1,0 +1,237 @@
+"""What each layer of a model caches, measured from the model itself, and its KV cache groups.
+
+`derive` builds the model's own mlx-lm caches (`make_cache()`, else one KVCache per layer), runs
+one probe forward of a few tokens and a one-token decode through them, and reads what each cache
+holds: K/V head counts and sizes (so naming variants, MLA latents and K/V of different head sizes
+need no config reading), the window of a rotating cache, the chunk of a chunked cache, and the
+per-request state shapes of recurrent layers. Any other cache type is refused with the layer.
+
+Layers are "leaves": one per mlx-lm cache object, a `CacheList` giving several leaves to one layer.
+`structure` records how leaves nest so the runner rebuilds the model's cache list from adapters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from sidecar.errors import ProtocolError
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+ATTENTION, MLA, STATE = "attention", "mla", "state"
+
+
+class UnsupportedModel(ProtocolError):
+    """The model has a layer the paged cache cannot serve (400 at load_model, naming the layer kind)."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """vLLM's KVCacheSpec for one cache leaf (an attention layer or a recurrent layer's state)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    dtype: str
+    sliding_window: int | None = None
+    kind: str = ATTENTION  # attention | mla | state
+    attention_chunk_size: int | None = None
+    state_shapes: tuple[tuple[int, ...], ...] = ()  # state: per request, one per state array
+    state_dtypes: tuple[str, ...] = ()
+    name: str = ""
+
+    @property
+    def type(self) -> str:
+        if self.kind == STATE:
+            return "mamba"
+        if self.kind == MLA:
+            return "mla_attention"
+        if self.attention_chunk_size:
+            return "chunked_local_attention"
+        return "sliding_window" if self.sliding_window else "full_attention"
+
+    @property
+    def group_key(self) -> tuple:
+        """Layers with equal keys share a KV cache group (one block table per request)."""
+        return (self.type, self.sliding_window, self.attention_chunk_size)
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.kind == STATE:
+            return sum(math.prod(s) * DTYPE_BYTES[d] for s, d in zip(self.state_shapes, self.state_dtypes))
+        return self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v) * DTYPE_BYTES[self.dtype]
+
+    def to_wire(self) -> dict:
+        d: dict[str, Any] = {
+            "type": self.type, "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size, "head_size_v": self.head_size_v, "dtype": self.dtype,
+            "sliding_window": self.sliding_window, "page_size_bytes": self.page_size_bytes,
+        }
+        if self.kind == MLA:  # vLLM's MLAAttentionSpec: one latent head of kv_lora_rank + qk_rope_head_dim
+            d.update(head_size=self.head_size + self.head_size_v, head_size_v=0,
+                     kv_lora_rank=self.head_size, qk_rope_head_dim=self.head_size_v)
+        if self.attention_chunk_size:
+            d["attention_chunk_size"] = self.attention_chunk_size
+        if self.kind == STATE:  # vLLM's MambaSpec: one state slot per request, no prefix caching
+            d.update(num_kv_heads=0, head_size=0, head_size_v=0, shapes=[list(s) for s in self.state_shapes],
+                     dtypes=list(self.state_dtypes), prefix_caching=False)
+        return d
+
+
+@dataclass
+class ModelCaches:
+    """A model's cache leaves and how they nest into the cache list its forward takes."""
+
+    specs: list[LayerSpec]
+    structure: list[int | tuple[int, ...]]  # per model cache entry: a leaf index, or a CacheList's leaves
+    templates: list[Any] = field(default_factory=list)  # per leaf: the probed mlx-lm cache (state leaves copy it)
+    state_entries: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # leaf -> (size, used)
+    scalar_offsets: bool = False  # the model needs int offsets (llama4's chunk mask): rows run one at a time
+    mask_5d: bool = False  # grouped-query scores [B, kv, rep, L, K] (gemma2): masks get an extra axis
+
+    @property
+    def has_state(self) -> bool:
+        return any(s.kind == STATE for s in self.specs)
+
+    def groups(self) -> list[list[int]]:
+        """Leaf indices per KV cache group, in order of first appearance."""
+        out: dict[tuple, list[int]] = {}
+        for i, s in enumerate(self.specs):
+            out.setdefault(s.group_key, []).append(i)
+        return list(out.values())
+
+
+def spec_wire(specs: Sequence[LayerSpec]) -> dict[str, dict]:
+    return {s.name: s.to_wire() for s in specs}
+
+
+def _leaves(caches: list[Any]) -> tuple[list[tuple[int, int | None, Any]], list[int | tuple[int, ...]]]:
+    from mlx_lm.models.cache import CacheList
+
+    leaves: list[tuple[int, int | None, Any]] = []
+    structure: list[int | tuple[int, ...]] = []
+    for i, c in enumerate(caches):
+        if isinstance(c, CacheList):
+            idx = []
+            for k, sub in enumerate(c.caches):
+                if isinstance(sub, CacheList):
+                    raise UnsupportedModel(f"layer {i}: nested CacheList caches are not supported", field="model")
+                idx.append(len(leaves))
+                leaves.append((i, k, sub))
+            structure.append(tuple(idx))
+        else:
+            structure.append(len(leaves))
+            leaves.append((i, None, c))
+    return leaves, structure
+
+
+def _model_arg(model: Any, name: str) -> Any:
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        if a is None:
+            continue
+        v = a.get(name) if isinstance(a, dict) else getattr(a, name, None)
+        if v is not None:
+            return v
+    return None
+
+
+def _has_grouped_scores(model: Any) -> bool:
+    """gemma2-style attention reshapes queries to [B, kv_heads, repeats, L, D] and applies the
+    mask to those 5-D scores, so a [B, 1, L, K] mask would broadcast over the wrong axes."""
+    for _, m in model.named_modules():
+        if isinstance(getattr(m, "repeats", None), int) and m.repeats > 1 and hasattr(m, "attn_logit_softcapping"):
+            return True
+    return False
+
+
+# Families refused before any forward. plamo3's mlx-lm output depends on mlx-lm's own prefill
+# chunking (its sliding layers mask window + 1 keys over a rotating cache of window), so no paged
+# cache reproduces it; phi3small's block-sparse attention crashes the process (a segfault inside
+# MLX on the CPU backend, in mlx-lm's own forward of a few tokens).
+_REFUSED = {"plamo3": "sliding layers mask a window one wider than their rotating cache holds",
+            "phi3small": "its block-sparse attention crashes MLX (segfault) on short sequences"}
+
+
+def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCaches:
+    """Probe the model's own caches; raises UnsupportedModel naming the layer and its cache kind."""
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    if family in _REFUSED:
+        raise UnsupportedModel(f"{family}: {_REFUSED[family]}", field="model")
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+
+    from sidecar.runner.kv_cache import dtype_name
+
+    caches = make_prompt_cache(model)
+    leaves, structure = _leaves(list(caches))
+    for i, k, c in leaves:
+        if type(c) not in (KVCache, RotatingKVCache, ChunkedKVCache) and not isinstance(c, ArraysCache):
+            raise UnsupportedModel(f"layer {i}: cache kind {type(c).__name__} is not supported by the paged cache",
+                                   field="model")
+        if isinstance(c, RotatingKVCache) and c.keep:
+            raise UnsupportedModel(f"layer {i}: a rotating cache that keeps {c.keep} sink tokens is not supported",
+                                   field="model")
+    # One token, four, one: a state's shape must not depend on how many tokens it has seen.
+    chunks = [[1], [2, 3, 4, 5], [6]]
+    shapes_seen = []
+    try:
+        for chunk in chunks:
+            mx.eval(model(mx.array([chunk]), cache=caches))
+            shapes_seen.append([[None if a is None else a.shape for a in c.cache] if isinstance(c, ArraysCache) else None
+                                for _, _, c in leaves])
+    except Exception as e:  # a model mlx-lm itself cannot run: refuse rather than fail later
+        raise UnsupportedModel(f"the model's own probe forward failed: {type(e).__name__}: {e}", field="model") from None
+
+    lora = _model_arg(model, "kv_lora_rank")
+    specs: list[LayerSpec] = []
+    state_entries: dict[int, tuple[int, tuple[int, ...]]] = {}
+    counts: dict[tuple[int, str], int] = {}
+    for j, (i, k, c) in enumerate(leaves):
+        if isinstance(c, ArraysCache):
+            used = tuple(e for e, a in enumerate(c.cache) if a is not None)
+            if not used:
+                raise UnsupportedModel(f"layer {i}: its recurrent state was never written by a forward", field="model")
+            shapes = tuple(tuple(c.cache[e].shape[1:]) for e in used)
+            if any(seen[j] != shapes_seen[-1][j] for seen in shapes_seen):
+                raise UnsupportedModel(f"layer {i}: recurrent state whose shape grows with the sequence", field="model")
+            odd = [str(c.cache[e].dtype) for e in used if c.cache[e].dtype not in (mx.float16, mx.bfloat16, mx.float32)]
+            if odd:  # e.g. token ids: not a recurrent state the pool can hold
+                raise UnsupportedModel(f"layer {i}: a recurrent state of dtype {odd[0]} is not supported",
+                                       field="model")
+            state_entries[j] = (len(c.cache), used)
+            spec = LayerSpec(block_size, 0, 0, 0, dtype_name(c.cache[used[0]].dtype), kind=STATE,
+                             state_shapes=shapes, state_dtypes=tuple(dtype_name(c.cache[e].dtype) for e in used))
+        else:
+            if c.keys is None or c.offset != sum(map(len, chunks)):
+                raise UnsupportedModel(f"layer {i}: its cache is not written once per token by a forward "
+                                       f"(shared or skipped KV layers are not supported)", field="model")
+            _, H, _, D = c.keys.shape
+            Dv = c.values.shape[-1]
+            dtype = kv_dtype or dtype_name(c.keys.dtype)
+            kind = MLA if lora and H == 1 and D == lora else ATTENTION
+            window = c.max_size if isinstance(c, RotatingKVCache) else None
+            chunk = c.chunk_size if isinstance(c, ChunkedKVCache) else None
+            spec = LayerSpec(block_size, H, D, Dv, dtype, window, kind, chunk)
+        role = "mixer" if spec.kind == STATE else "self_attn"
+        counts[(i, role)] = counts.get((i, role), 0) + 1
+        specs.append(spec)
+    # Names: model.layers.{i}.self_attn / .mixer, suffixed when one layer has several of a role.
+    seen: dict[tuple[int, str], int] = {}
+    for j, (i, k, c) in enumerate(leaves):
+        role = "mixer" if specs[j].kind == STATE else "self_attn"
+        n = seen.get((i, role), 0)
+        seen[(i, role)] = n + 1
+        name = f"model.layers.{i}.{role}" + (f".{n}" if counts[(i, role)] > 1 else "")
+        specs[j] = _named(specs[j], name)
+    return ModelCaches(
+        specs, structure, [c for _, _, c in leaves], state_entries,
+        scalar_offsets=any(isinstance(c, ChunkedKVCache) for _, _, c in leaves),
+        mask_5d=_has_grouped_scores(model),
+    )
+
+
+def _named(spec: LayerSpec, name: str) -> LayerSpec:
+    return replace(spec, name=name)

@@ -1,0 +1,67 @@
+"""Every mlx-lm family the generator builds tiny, served through the paged cache with batching and
+chunked prefill, gives each prompt exactly mlx-lm's own greedy tokens for that prompt alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sidecar.config import Config
+from sidecar.errors import ProtocolError
+from sidecar.models import families
+from sidecar.worker import MLXWorker
+from tests.conftest import mlx_lm_greedy
+from tests.driver import Driver
+
+BLOCK = 4
+NEW = 5
+
+
+def tiny_dir(home: str, family: str) -> Path:
+    return families.write(family, Path(home) / "arch" / family)
+
+
+def served(home: str, family: str, num_blocks: int = 96, **overrides: object) -> MLXWorker:
+    cfg = dict(block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128)
+    w = MLXWorker(Config(model=str(tiny_dir(home, family)), home=home, **{**cfg, **overrides}))  # type: ignore[arg-type]
+    w.init_device()
+    w.load_model()
+    w.determine_available_memory()  # the profile run: every layer kind at the batch limits
+    w.initialize_cache(num_blocks, 0)
+    return w
+
+
+def prompts(family: str, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(sum(map(ord, family)))
+    return [rng.integers(3, vocab, n).tolist() for n in (11, 19, 6)]
+
+
+# Built tiny, but refused at load_model with a 400 naming why (never a 500, never inexact).
+REFUSED = {"plamo3": "window one wider", "phi3small": "crashes MLX",
+           "longcat_flash_ngram": "recurrent state whose shape grows",
+           "deepseek_v41": "layer 0: cache kind LayerCache is not supported"}
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_unservable_families_are_refused_at_load(home: str, family: str) -> None:
+    w = MLXWorker(Config(model=str(tiny_dir(home, family)), home=home, block_size=BLOCK))
+    w.init_device()
+    with pytest.raises(ProtocolError, match=REFUSED[family]) as e:
+        w.load_model()
+    assert e.value.status == 400 and e.value.field == "model"
+    assert w.state.value == "device_ready" and w.runner is None
+
+
+@pytest.mark.parametrize("family", sorted(set(families.FAMILIES) - set(REFUSED)))
+def test_greedy_tokens_equal_mlx_lm(home: str, oracle_model, family: str) -> None:
+    w = served(home, family)
+    ps = prompts(family, w.vocab_size())
+    d = Driver(w.execute_model, BLOCK, 96)
+    for i, p in enumerate(ps):
+        d.add(f"r{i}", p)
+    got = d.run(NEW, chunk=7)  # chunks shorter than the prompts, all three rows in every step
+    oracle = oracle_model(str(tiny_dir(home, family)))
+    want = {f"r{i}": mlx_lm_greedy(oracle, p, NEW)[0] for i, p in enumerate(ps)}
+    assert got == want
