@@ -2,8 +2,8 @@
 
 The pool of one layer is head-major, `[1, num_kv_heads, slots, head_dim]` (slot as in
 kv_cache.py: `block * block_size + offset`; the leading 1 makes a read one slicing op, as
-mlx-lm's cache read is), so a run of consecutive slots is, for every head,
-one contiguous stretch of memory: exactly the layout of mlx-lm's own KVCache buffer
+mlx-lm's cache read is), so a run of consecutive slots is, for every head, one contiguous stretch
+of memory: exactly the layout of mlx-lm's own KVCache buffer
 (`[B, H, T, D]`, read as `keys[..., :offset, :]`). A row whose blocks are one run of consecutive
 block ids (what a block allocator hands out most of the time: the reference scheduler's does for
 a stream on a fresh or recycled pool) is then read in place: a slice of the pool, no copy, no
@@ -14,9 +14,12 @@ per layer into a contiguous `[B, H, K, D]`. (Token-major K/V, `[B, K, H, D]` tra
 strided input that MLX's GQA attention handles several times slower than a contiguous one: that,
 not the gather itself, was most of the long-context cost.)
 
-`ReadPlan` is computed once per step from the block tables (numpy, no MLX work per layer beyond
-the read itself); `write` and `read` are what `PagedCache.update_and_fetch` calls. A fused
-paged-attention kernel (Metal) would replace `read` + attention behind the same seam.
+A `ReadPlan` is made once per layout from the slots the layout reads (`plan_reads`, numpy; the
+decode fast path in layouts.py checks a run in plain Python), shared by every layer using that
+layout; `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
+chunk reads from its first visible block, so its run check covers only the keys it reads. A fused
+paged-attention kernel (Metal) would replace `read` + attention behind the same seam; none is
+shipped (no Metal machine here to verify one against this path).
 """
 
 from __future__ import annotations
