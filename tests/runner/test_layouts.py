@@ -75,3 +75,9 @@ def test_window_chunk_and_scalar_layouts_take_the_general_path(kw: dict) -> None
 def test_prefill_takes_the_general_path() -> None:
     got = LayoutBuilder().build([0], [5], [[2, 3]], BS, SINK)
     same(got, BatchLayout.build([0], [5], [[2, 3]], BS, SINK))
+
+
+def test_a_window_reads_its_visible_run_in_place() -> None:
+    lay = BatchLayout.build([9], [1], [[4, 5, 6]], BS, SINK, window=3)  # reads from the block of key 7: 4..9
+    assert lay.reads.start == 5 * BS and lay.reads.length == 6
+    assert not BatchLayout.build([9], [1], [[4, 5, 8]], BS, SINK, window=3).reads.in_place
