@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install serve test bench fuzz clean
+.PHONY: install serve test test-distributed bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ serve: install
 
 test: install
 	sh scripts/ensure-prometheus.sh
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -m "not distributed" $(ARGS)
+
+# Scale-out: real 2-rank groups on loopback (ring backend, CPU), ~1 min; see README "Scale-out".
+test-distributed: install
+	$(PY) -m pytest -q -m distributed tests/distributed $(ARGS)
 
 # The long run of the HTTP fuzz test (make test runs 20,000 mutants).
 FUZZ_N ?= 200000

@@ -21,6 +21,12 @@ _HELP = {
     "lora_dir": "the only directory LoRA adapters may be loaded from",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
+    "tensor_parallel": "shard the model's heads over N ranks (mx.distributed; start every rank with mlx.launch)",
+    "pipeline_parallel": "split the model's layers over N ranks (mx.distributed; start every rank with mlx.launch)",
+    "distributed_backend": "mx.distributed backend: ring (TCP, default), jaccl (RDMA over Thunderbolt 5), mpi, any",
+    "exit_on_rank_failure": "exit non-zero when a rank is lost, so launchd/systemd restart the group (default on)",
+    "rank_timeout": "seconds a step's collectives may go unanswered before the rank counts as lost",
+    "heartbeat_interval": "seconds between liveness pings while the group is idle",
     "speculative_method": "none (default) | ngram (prompt lookup) | draft_model: the worker proposes drafts",
     "num_speculative_tokens": "drafts per request per step (default 3)",
     "prompt_lookup_min": "ngram: shortest suffix matched (default 2)",
@@ -76,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", default="bench-results/bench.json")
     bench.add_argument("--plot", dest="plot_path", default="bench-results/throughput.png")
     bench.add_argument("--home", default=None)
+    bench.add_argument("--scale-out", action="store_true",
+                       help="only the scale-out scenario: 1 rank vs TP=2 / PP=2 over loopback")
     return parser
 
 
@@ -87,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             print(f"mlx-sidecar: {e}", file=sys.stderr)
             return 2
+        if cfg.world_size > 1:
+            from sidecar.distributed.serve import serve_group
+
+            return serve_group(cfg)
         from sidecar.server.app import serve
 
         return serve(cfg)
@@ -94,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sidecar.scheduler.generate import generate_cli
 
         return generate_cli(args)
+    if args.scale_out:
+        from sidecar.bench.group import group_bench_cli
+
+        return group_bench_cli(args.home, args.quick, args.json_path)
     from sidecar.bench import bench_cli
 
     return bench_cli(args)

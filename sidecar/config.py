@@ -52,6 +52,13 @@ class Config:
     log_level: str = "warning"
     log_format: str = "text"  # text | json
     home: str | None = None  # MLX_SIDECAR_HOME: where built-in models are generated
+    # scale-out over mx.distributed (sidecar/distributed/): rank 0 serves, the others follow
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    distributed_backend: str = "ring"  # ring | jaccl | mpi | any (mx.distributed.init's backend)
+    exit_on_rank_failure: bool = True  # rank 0 exits non-zero when a rank is lost (the service manager restarts)
+    rank_timeout: float = 30.0  # a call's collectives unanswered this long = a lost rank (idle pings: min(3 s, this))
+    heartbeat_interval: float = 1.0  # idle seconds between liveness pings over the group
 
     def replace(self, **overrides: Any) -> Config:
         """A copy with overrides; unknown keys or wrong types raise ConfigError naming the key."""
@@ -94,6 +101,16 @@ class Config:
             ("shutdown_timeout", self.shutdown_timeout > 0, "must be > 0"),
             ("max_body_bytes", self.max_body_bytes >= 1, "must be >= 1"),
             ("log_level", self.log_level.lower() in LOG_LEVELS, "must be one of " + "|".join(LOG_LEVELS)),
+            ("tensor_parallel", self.tensor_parallel >= 1, "must be >= 1"),
+            ("pipeline_parallel", self.pipeline_parallel >= 1, "must be >= 1"),
+            ("pipeline_parallel", self.tensor_parallel == 1 or self.pipeline_parallel == 1,
+             "cannot be combined with tensor_parallel (mx.distributed's ring group cannot be split)"),
+            ("distributed_backend", self.distributed_backend in ("ring", "jaccl", "mpi", "nccl", "any"),
+             "must be ring, jaccl, mpi, nccl or any"),
+            ("rank_timeout", self.rank_timeout > 0, "must be > 0"),
+            ("heartbeat_interval", self.heartbeat_interval > 0, "must be > 0"),
+            ("speculative_method", self.world_size == 1 or self.spec_method == "none",
+             "is not supported with tensor_parallel/pipeline_parallel (the verify step samples on every rank)"),
             ("speculative_method", self.speculative_method in ("none", "ngram", "draft_model"),
              "must be none, ngram or draft_model"),
             ("draft_model", self.spec_method != "draft_model" or bool(self.draft_model),
@@ -105,6 +122,11 @@ class Config:
         for key, ok, why in checks:
             if not ok:
                 raise ConfigError(key, f"{key} {why}, got {getattr(self, key)!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group (1: no scale-out)."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     @property
     def spec_method(self) -> str:

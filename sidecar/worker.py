@@ -100,6 +100,7 @@ def _gpu_available() -> bool:
 
 
 class MLXWorker:
+    lazy_load = False  # scale-out (sidecar/distributed) loads lazily and materialises only its shard
     def __init__(self, vllm_config: Config | dict | None = None, local_rank: int = 0, rank: int = 0,
                  distributed_init_method: str = "", is_driver_worker: bool = False):
         if isinstance(vllm_config, dict):
@@ -166,7 +167,7 @@ class MLXWorker:
 
         try:  # what fails here is the model directory the operator configured: 4xx, and no paths
             path = resolve_model(self.config.model, self.config.home)
-            model, config = load_model(path)
+            model, config = load_model(path, lazy=self.lazy_load)
             self.model, self.model_config, self.model_path = model, config, path
             vocab, eos = self._vocab_size(), self._eos_ids()
         except (Exception, SystemExit) as e:  # noqa: BLE001 (mlx-lm's olmo module exits without ai2-olmo)
@@ -441,7 +442,7 @@ class MLXWorker:
         if "weights" in wanted & self._asleep:
             from mlx_lm.utils import load_model
 
-            model, _ = load_model(self.model_path)  # type: ignore[arg-type]
+            model, _ = load_model(self.model_path, lazy=self.lazy_load)  # type: ignore[arg-type]
             self.model = model
             self.runner.set_model(model)
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -27,3 +27,16 @@ def test_flags_map_onto_config(monkeypatch) -> None:
 def test_bad_flag_value_is_a_clean_error(capsys) -> None:
     assert main(["serve", "--block-size", "0"]) == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_scale_out_without_a_group_is_a_clean_error(monkeypatch, capsys) -> None:
+    import logging
+
+    for key in ("MLX_RANK", "MLX_HOSTFILE"):
+        monkeypatch.delenv(key, raising=False)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # serve configures logging: undone after
+    monkeypatch.setattr(root, "level", root.level)
+    assert main(["serve", "--tensor-parallel", "2", "--log-level", "error"]) == 2
+    err = capsys.readouterr().err
+    assert "MLX_HOSTFILE" in err and "mlx.launch" in err

@@ -35,6 +35,17 @@ def test_token_file_wins(tmp_path) -> None:
     assert Config(auth_token="env", auth_token_file=str(f)).token() == "from-file"
 
 
+def test_scale_out_settings_validate() -> None:
+    assert Config().world_size == 1 and Config(tensor_parallel=2).world_size == 2
+    cfg = Config().replace(pipeline_parallel=2, exit_on_rank_failure=False, rank_timeout=5)
+    assert (cfg.world_size, cfg.exit_on_rank_failure, cfg.rank_timeout) == (2, False, 5.0)
+    for bad, key in [({"tensor_parallel": 0}, "tensor_parallel"), ({"tensor_parallel": 2, "pipeline_parallel": 2}, "pipeline_parallel"),
+                     ({"distributed_backend": "tcp"}, "distributed_backend"), ({"rank_timeout": 0}, "rank_timeout"),
+                     ({"heartbeat_interval": -1.0}, "heartbeat_interval"),
+                     ({"tensor_parallel": 2, "speculative_method": "ngram"}, "speculative_method")]:
+        with pytest.raises(ConfigError) as e:
+            Config().replace(**bad)
+        assert e.value.key == key
 def test_init_device_overrides_are_an_allow_list() -> None:
     from sidecar.config import RUNTIME_OVERRIDES
 

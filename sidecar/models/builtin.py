@@ -34,7 +34,8 @@ BUILTIN_PREFIX = "builtin:"
 MARKER = ".complete"  # written last: a directory without it is half-written
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 SEED = 1234
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # transformers names
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM"}  # transformers names
 
 
 class ModelNotFound(ValueError):
@@ -66,6 +67,10 @@ _TINY = BuiltinSpec(
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny": _TINY,
     "tiny-qwen3": replace(_TINY, model_type="qwen3", tie_word_embeddings=True, rope_theta=1e6),
+    # mlx-lm's qwen2 has both shard() and pipeline() (llama/qwen3 only shard): the scale-out
+    # tests' pipeline-parallel model. 4 heads, 2 KV heads and 2 layers split evenly over 2 ranks.
+    # Untied: with tied embeddings these random weights mostly repeat the input token.
+    "tiny-qwen2": replace(_TINY, model_type="qwen2"),
     # Sized so one batch-1 decode step (1 token, ~100 cached) costs ~34 ms on a 2-core x86 CPU
     # (>= 20 ms wanted), with a 32000-row vocabulary padded past the tokenizer like real models.
     "small": BuiltinSpec(

@@ -97,6 +97,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     worker = worker or MLXWorker(config)
     metrics_ = Metrics(registry or CollectorRegistry(), lambda: sc.worker)
     sc = Sidecar(config, worker, metrics_, token if token is not None else load_token(config))
+    if hasattr(worker, "metrics_collector"):  # scale-out: per-rank gauges (sidecar/distributed)
+        metrics_.registry.register(worker.metrics_collector())
     metrics_.instance = sc.instance
     sc.publish()  # before the MLX thread exists, this thread owns the worker
 
@@ -104,6 +106,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sc.loop = asyncio.get_running_loop()
         sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
+        if hasattr(worker, "attach_thread"):  # scale-out: a lost rank answers the call stuck on it
+            worker.attach_thread(sc.thread)
         if config.preload:
             sc.thread.submit(lambda: _preload(sc))
         try:
@@ -131,6 +135,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 raise MethodNotAllowed(f"{request.method} is not allowed; RPCs are POST /rpc/{method}")
             if sc.draining or sc.thread is None:
                 raise Unavailable("the worker is shutting down", retry_after=5)
+            if getattr(sc.worker, "unavailable", None):  # scale-out: a lost rank; do not queue behind a stuck collective
+                raise Unavailable(sc.worker.unavailable, retry_after=5)  # type: ignore[attr-defined]
             if in_type and in_type not in MSGPACK_TYPES and in_type != JSON_TYPE:
                 raise UnsupportedMediaType(f"content type {in_type[:64]!r} is not msgpack or JSON")
             body = await _read_body(request, config.max_body_bytes)
@@ -194,6 +200,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 "instance_id": sc.instance.id}
         if sc.preload_error:
             body["preload_error"] = sc.preload_error
+        if hasattr(w, "group_status"):  # scale-out: which rank is lost
+            body["group"] = w.group_status()
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def info(request: Request) -> Response:
@@ -331,7 +339,7 @@ async def _drain(sc: Sidecar) -> None:
         sc.clean_shutdown = False
 
 
-def serve(config: Config) -> int:
+def serve(config: Config, worker: MLXWorker | None = None) -> int:
     """Run until SIGTERM/SIGINT. Exit status: 0 after a clean shutdown, 1 when the shutdown
     timeout ran out (or a second SIGINT forced it), 2 for a configuration refused at start-up."""
     import uvicorn
@@ -350,7 +358,7 @@ def serve(config: Config) -> int:
         return 2
     if token is not None:
         add_secret(token)
-    app = create_app(config, token=token)
+    app = create_app(config, token=token, worker=worker)
     sc: Sidecar = app.state.sidecar
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                         timeout_graceful_shutdown=max(0.1, config.shutdown_timeout),  # type: ignore[arg-type]

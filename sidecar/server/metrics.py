@@ -70,6 +70,7 @@ class Snapshot:
         """Build on the thread that owns the worker (the MLX thread, or the creator before it starts)."""
         runner = w.runner
         specs = list(runner.specs) if runner is not None else []
+        specs = list(getattr(w, "global_specs", None) or specs)  # a group's rank 0: the whole model, not its shard
         pool = runner.pool if runner is not None else None
         return cls(
             model=w.config.model,

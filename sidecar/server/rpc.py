@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -81,6 +82,7 @@ class MLXThread:
         self._queue: queue.Queue[_Job | None] = queue.Queue()  # bounded by `call`; the stop sentinel always fits
         self._stopping = False
         self.busy_since: float | None = None  # monotonic start of the running job, None when idle
+        self._running: _Job | None = None
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
 
@@ -98,13 +100,13 @@ class MLXThread:
         while (job := self._queue.get()) is not None:
             if job.cancelled:
                 continue
-            self.busy_since = time.monotonic()
+            self.busy_since, self._running = time.monotonic(), job
             try:
                 result, error = job.fn(), None
             except BaseException as e:  # delivered to the awaiting handler, never kills the thread
                 result, error = None, e
             finally:
-                self.busy_since = None
+                self.busy_since, self._running = None, None
             if self._after_job is not None:
                 try:
                     self._after_job()
@@ -136,6 +138,14 @@ class MLXThread:
         except asyncio.CancelledError:
             self._cancel_if_queued(job)
             raise
+
+    def fail_running(self, error: BaseException) -> None:
+        """Answer the running call with `error` now, from any thread: for a job that can never
+        finish (a collective whose peer is gone, see sidecar/distributed). Its late result is dropped."""
+        job = self._running
+        if job is not None and job.future is not None and job.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                job.loop.call_soon_threadsafe(_settle, job.future, None, error)
 
     def submit(self, fn: Callable[[], Any]) -> None:
         """Fire and forget (start-up preload); fn reports its own errors."""

@@ -165,6 +165,8 @@ def test_the_alert_rules_reference_series_the_server_exposes(server) -> None:
     rules = (Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml").read_text()
     names = set(re.findall(r"mlx_worker_[a-z_]+", rules))
     assert names
+    # Only a group's rank 0 exposes these (checked against a real group in tests/distributed/test_leader.py).
+    names -= {"mlx_worker_rank_up", "mlx_worker_group_size"}
     exposed = {name for name, _ in samples(scrape(server.url))}
     assert names <= exposed, names - exposed
 
@@ -342,7 +344,9 @@ def test_a_scrape_never_waits_for_a_running_step(server, remote: RemoteWorker) -
     during = [t for t in timings if t[0] + t[1] < end]
     assert len([t for t in during if t[2] == "/metrics"]) >= 5, timings
     worst = max(during, key=lambda t: t[1])
-    assert worst[1] < 0.1, f"{worst[2]} took {worst[1] * 1e3:.0f} ms during a {end - start:.1f}s step"
+    # Waiting on the step would take seconds; the bound leaves room for a loaded 2-core machine,
+    # where the server's event loop shares the cores with the step's MLX threads.
+    assert worst[1] < 0.3, f"{worst[2]} took {worst[1] * 1e3:.0f} ms during a {end - start:.1f}s step"
     # The memory gauges are read live: the step's attention scores show up mid-step.
     assert max(t[3] for t in during) > idle_active + 10 * 2**20
 
