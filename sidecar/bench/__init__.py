@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.bench import report, scenarios, spec
+from sidecar.bench import report, scenarios, spec, workloads
 from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
 from sidecar.bench.report import REQUIRED_KEYS, table
@@ -135,6 +135,23 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
         sides.append(side)
         return side
 
+    pairs: dict[str, tuple[SidecarSide, MlxLmSide]] = {}
+
+    def pair_for(model: str, blocks: int) -> tuple[SidecarSide, MlxLmSide]:
+        """Both sides on another model (the main pair when it is the bench's own model)."""
+        if model == params.model:
+            return sidecar, mlx
+        if model not in pairs:
+            model_path = resolve_model(model, params.home)
+            server = ServerProcess(model, params.home, log_dir=log_dir.name, extra={
+                "max_num_seqs": 4, "max_num_batched_tokens": params.max_num_batched_tokens})
+            servers.append(server)
+            server.start()
+            side = SidecarSide(server, blocks, max_num_seqs=4, max_num_batched_tokens=params.max_num_batched_tokens)
+            sides.append(side)
+            pairs[model] = (side, MlxLmSide(model_path))
+        return pairs[model]
+
     try:
         log(f"profile {params.profile}: starting the sidecar server ({params.model}) and loading mlx-lm")
         sidecar = make_side({})
@@ -153,6 +170,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
             ("prefix", lambda: scenarios.prefix_ttft(b)),
             ("rpc overhead", lambda: scenarios.rpc_overhead(b)),
             ("pool_size", lambda: scenarios.pool_size(b, make_side)),
+            ("tiny single stream", lambda: workloads.tiny_single_stream(b, pair_for)),
+            ("long context", lambda: workloads.long_context(b, pair_for)),
             ("speculative", lambda: spec.speculative(b, make_side)),
             ("vllm engine", lambda: vllm_engine(b, make_side)),
         ]
@@ -200,7 +219,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
         "stage_seconds": timings,
         "stage_foreign_cpu": meter.stages,
         "sweep": raw.get("sweep"),
-        "raw": {k: v for k, v in raw.items() if k != "sweep"},
+        "long_ctx_curve": raw.get("long_ctx_curve"),
+        "raw": {k: v for k, v in raw.items() if k not in ("sweep", "long_ctx_curve")},
         "notes": notes,
     }
     return doc
@@ -215,6 +235,9 @@ def render(doc: dict[str, Any]) -> str:
     if doc.get("sweep"):
         parts += ["", "throughput against concurrency (generated tokens/s, prefill included):",
                   report.sweep_table(doc["sweep"])]
+    if doc.get("long_ctx_curve"):
+        parts += ["", f"single-stream decode against context ({doc.get('long_model')}, tokens/s, prefill excluded):",
+                  report.curve_table(doc["long_ctx_curve"])]
     if doc.get("notes"):
         parts += ["", *("note: " + n for n in doc["notes"])]
     parts += ["", f"elapsed {doc['elapsed_s']:.0f}s"]
@@ -240,7 +263,7 @@ def bench_cli(args: argparse.Namespace) -> int:
         return 1
     json_path = report.write_json(args.json_path, doc)
     title = f"{doc['model']} - {doc['backend_label']} - {doc['machine'].get('cpu', '')} ({doc['profile']})"
-    png = report.plot(args.plot_path, doc["sweep"], title) if doc.get("sweep") else None
+    png = report.plot(args.plot_path, doc["sweep"], title, doc.get("long_ctx_curve")) if doc.get("sweep") else None
     print(render(doc))
     print(f"json: {json_path}")
     print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib, or `pip install -e '.[bench]'`)")

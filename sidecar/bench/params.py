@@ -65,6 +65,18 @@ class BenchParams:
     sweep_concurrency: tuple[int, ...] = (1, 4, 16, 32, 64)
     sweep_prompt_len: int = 8
     sweep_new_tokens: int = 16
+    # 8. small-model single stream: per-step costs exposed (a ~1 ms forward), same measure as 1.
+    tiny_model: str = "builtin:tiny"
+    tiny_prompt_len: int = 32
+    tiny_new_tokens: int = 128
+    tiny_repeats: int = 5
+    # 9. long-context decode: one stream decoding after `long_contexts` tokens of context, on a
+    # model whose KV outgrows its weights (the context is prefilled once per length, then cached).
+    long_model: str = "builtin:longctx"
+    long_contexts: tuple[int, ...] = (1024, 4096, 16384)
+    long_new_tokens: int = 32
+    long_repeats: int = 3
+    long_blocks: int = 1280  # the long-context server's pool (block_size 16): 16384 + decode fits
     # 7. speculative decoding (spec.py): one greedy stream, n-gram proposer on vs off.
     spec_prompt_len: int = 64
     spec_new_tokens: int = 128
@@ -100,6 +112,7 @@ def quick(**kw: object) -> BenchParams:
         pool_steps=8, pool_repeats=1,
         sampling_steps=3, sampling_repeats=1, sampling_prompt_len=2,
         sweep_prompt_len=4, sweep_new_tokens=4, warmup_new_tokens=4,
+        tiny_new_tokens=64, tiny_repeats=3, long_contexts=(1024, 4096), long_new_tokens=24, long_repeats=2,
         spec_new_tokens=64, spec_repeats=1, spec_candidates=3, spec_probe_tokens=8,
     ).replace(**kw)
 
@@ -111,6 +124,7 @@ def spec(**kw: object) -> BenchParams:
         single_prompt_len=128, single_new_tokens=128, rpc_b1_steps=200,
         prefix_cold_repeats=3, prefix_warm_repeats=5, pool_steps=32, pool_repeats=3,
         sampling_steps=8, sampling_repeats=3, sweep_prompt_len=64, sweep_new_tokens=64,
+        long_new_tokens=64, long_repeats=5,
     ).replace(**kw)
 
 
@@ -126,6 +140,8 @@ def tiny(**kw: object) -> BenchParams:
         pool_small_blocks=64, pool_large_blocks=512, pool_batch=2, pool_prompt_len=4, pool_steps=4, pool_repeats=1,
         sampling_prompt_len=2, sampling_steps=3, sampling_repeats=1,
         sweep_concurrency=(1, 2, 4), sweep_prompt_len=4, sweep_new_tokens=3, warmup_new_tokens=2,
+        tiny_prompt_len=8, tiny_new_tokens=6, tiny_repeats=1,
+        long_model="builtin:tiny", long_contexts=(64, 200), long_new_tokens=4, long_repeats=1, long_blocks=64,
         spec_prompt_len=8, spec_new_tokens=8, spec_repeats=1, spec_candidates=2, spec_probe_tokens=4,
         vllm=False,  # vLLM's start-up alone takes about a minute
     ).replace(**kw)

@@ -41,6 +41,16 @@ GOALS = (
          "vLLM {vllm_engine_tok_s:.2f} tok/s", "ours {vllm_ref_scheduler_tok_s:.2f} tok/s"),
     Goal("sampling_mixed_ratio", "{sampling_rows:.0f}-row step, mixed / greedy", "<=", 1.10,
          "{sampling_mixed_step_ms:.1f} / {sampling_greedy_step_ms:.1f} ms", "-"),
+    Goal("tiny_single_stream_ratio", "single stream, {tiny_model}", ">=", 0.9,
+         "{tiny_single_stream_sidecar_tok_s:.1f} tok/s", "{tiny_single_stream_mlx_lm_tok_s:.1f} tok/s"),
+    Goal("tiny_single_stream_cpu_ratio", "  same, CPU per token (mlx-lm / sidecar)", "", math.nan,
+         "{tiny_single_stream_sidecar_cpu_ms_per_token:.3f} ms", "{tiny_single_stream_mlx_lm_cpu_ms_per_token:.3f} ms"),
+    Goal("long_ctx_1024_ratio", "decode at 1k context, {long_model}", "", math.nan,
+         "{long_ctx_1024_sidecar_tok_s:.1f} tok/s", "{long_ctx_1024_mlx_lm_tok_s:.1f} tok/s"),
+    Goal("long_ctx_4096_ratio", "decode at 4k context, {long_model}", ">=", 0.9,
+         "{long_ctx_4096_sidecar_tok_s:.1f} tok/s", "{long_ctx_4096_mlx_lm_tok_s:.1f} tok/s"),
+    Goal("long_ctx_16384_ratio", "decode at 16k context, {long_model}", ">=", 0.8,
+         "{long_ctx_16384_sidecar_tok_s:.1f} tok/s", "{long_ctx_16384_mlx_lm_tok_s:.1f} tok/s"),
     Goal("spec_repetitive_ratio", "ngram spec on/off, repetitive text", ">=", 1.8,
          "{spec_repetitive_on_tok_s:.2f} / {spec_repetitive_off_tok_s:.2f} tok/s, accept "
          "{spec_repetitive_acceptance:.0%}, {spec_repetitive_tokens_per_step:.2f} tok/step", "-"),
@@ -58,6 +68,7 @@ REQUIRED_KEYS = (
     "single_stream_sidecar_tok_s", "single_stream_mlx_lm_tok_s", "batch32_sidecar_tok_s", "batch32_mlx_lm_tok_s",
     "prefix_cold_ttft_s", "prefix_warm_ttft_s", "pool_small_step_ms", "pool_large_step_ms",
     "sampling_greedy_step_ms", "sampling_mixed_step_ms",
+    "tiny_single_stream_ratio", "tiny_single_stream_sidecar_tok_s", "tiny_single_stream_mlx_lm_tok_s",
     "spec_repetitive_ratio", "spec_random_ratio",
 )
 
@@ -116,6 +127,14 @@ def sweep_table(sweep: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
+def curve_table(curve: dict[str, list[float]]) -> str:
+    lines = ["    context  sidecar tok/s  mlx-lm tok/s  ratio  cpu ratio"]
+    cpu = curve.get("cpu_ratio") or [math.nan] * len(curve["context"])
+    for c, s, m, r, u in zip(curve["context"], curve["sidecar_tok_s"], curve["mlx_lm_tok_s"], curve["ratio"], cpu):
+        lines.append(f"{c:>11.0f}  {s:>13.2f}  {m:>12.2f}  {r:>5.2f}  {u:>9.2f}")
+    return "\n".join(lines)
+
+
 def _clean(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None  # JSON has no NaN/inf; the smoke test treats None as not finite
@@ -135,8 +154,10 @@ def write_json(path: str | os.PathLike, doc: dict[str, Any]) -> Path:
     return p
 
 
-def plot(path: str | os.PathLike, sweep: dict[str, list[float]], title: str) -> Path | None:
-    """Throughput against concurrency, both sides; None when matplotlib is missing."""
+def plot(path: str | os.PathLike, sweep: dict[str, list[float]], title: str,
+         curve: dict[str, list[float]] | None = None) -> Path | None:
+    """Throughput against concurrency, both sides (and, given `curve`, single-stream decode
+    against context length beside it); None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -146,7 +167,23 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[float]], title: str) -> 
         return None
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    if curve and curve.get("context"):
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), dpi=110)
+        x = curve["context"]
+        ax2.plot(x, curve["sidecar_tok_s"], "o-", label="mlx-sidecar")
+        ax2.plot(x, curve["mlx_lm_tok_s"], "s--", label="mlx-lm (in process)")
+        for xi, yi, r in zip(x, curve["sidecar_tok_s"], curve["ratio"]):
+            ax2.annotate(f"{r:.2f}x", (xi, yi), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        ax2.set_xscale("log", base=2)
+        ax2.set_xticks(x, [f"{v / 1024:g}k" if v >= 1024 else f"{v:g}" for v in x])
+        ax2.set_xlabel("tokens of context")
+        ax2.set_ylabel("single-stream decode tokens / s")
+        ax2.set_ylim(bottom=0)
+        ax2.grid(True, alpha=0.3)
+        ax2.set_title("long-context decode (ratio: sidecar / mlx-lm)", fontsize=10)
+        ax2.legend()
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     c = sweep["concurrency"]
     ax.plot(c, sweep["sidecar_tok_s"], "o-", label="mlx-sidecar (HTTP + reference scheduler)")
     ax.plot(c, sweep["mlx_lm_tok_s"], "s--", label="mlx-lm BatchGenerator (in process)")

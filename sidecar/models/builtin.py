@@ -77,6 +77,12 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
         "llama", hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=2, head_dim=64,
         intermediate_size=1408, tie_word_embeddings=False, bpe_vocab=1024, vocab_size=32000,
     ),
+    # For long-context decode: ~10 MiB of fp32 weights, 4 KiB of KV per token (16 MiB at 4096
+    # tokens, more than the weights), as an 8B 4-bit model near 32k tokens; 32k positions.
+    "longctx": BuiltinSpec(
+        "llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+        intermediate_size=512, tie_word_embeddings=False, bpe_vocab=512, max_position_embeddings=32768,
+    ),
 }
 
 # Original text, the tokenizer's whole training corpus. Changing it changes every built-in

@@ -25,8 +25,10 @@ def exact_batches(rows: Sequence[Row], idx: list[int], caches: ModelCaches) -> l
 
 
 def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: Sequence[Row],
-                 lengths: Sequence[int]) -> tuple[list[Any], Callable[[], None]]:
-    """(cache list, store): `store()` after the forward writes the rows' new recurrent states back."""
+                 lengths: Sequence[int], build: Callable[..., BatchLayout] = BatchLayout.build,
+                 ) -> tuple[list[Any], Callable[[], None]]:
+    """(cache list, store): `store()` after the forward writes the rows' new recurrent states back.
+    `build` makes each layout (layouts.LayoutBuilder.build: the decode fast path)."""
     from mlx_lm.models.cache import CacheList
 
     ngroups = max(group_of) + 1
@@ -47,9 +49,8 @@ def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: S
         else:
             key = (g, spec.sliding_window, spec.attention_chunk_size)
             if key not in layouts:
-                layouts[key] = BatchLayout.build(starts, lengths, [t[g] for t in tables], pool.block_size, pool.sink,
-                                                 window=spec.sliding_window, chunk=spec.attention_chunk_size,
-                                                 scalar=scalar)
+                layouts[key] = build(starts, lengths, [t[g] for t in tables], pool.block_size, pool.sink,
+                                     window=spec.sliding_window, chunk=spec.attention_chunk_size, scalar=scalar)
             c = PagedCache(pool, leaf, layouts[key], mc.mask_5d)
         adapters.append(c)
     cache_list = [adapters[s] if isinstance(s, int) else CacheList(*(adapters[j] for j in s)) for s in mc.structure]

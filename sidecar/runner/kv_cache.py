@@ -1,14 +1,16 @@
 """The paged KV block pool and the attention cache adapter that unmodified mlx-lm models accept.
 
-Each layer owns a flat slot pool `[num_blocks * block_size + 1, num_kv_heads, head_dim]` for K and
-for V, allocated once. The extra last slot is a sink for the writes of padding positions, so a
-padded batch never touches a real block. Slot of position p of a request:
+Each layer owns a slot pool `[1, num_kv_heads, num_blocks * block_size + 1, head_dim]` for K and
+for V, allocated once (head-major, so a run of slots reads in place: attention.py). The extra
+last slot is a sink for the writes of padding positions, so a padded batch never touches a real
+block. Slot of position p of a request:
 `block_ids[p // block_size] * block_size + p % block_size` (vLLM's slot mapping).
 
 Per step the runner builds one `BatchLayout` (slots to write, slots to gather, per-row offsets
 and the mask); every layer's `PagedCache` scatters its new K/V into its pool in place (MLX
 donates the pool buffer: the step never copies it, so step cost does not grow with the pool),
-gathers each row's blocks and lets the model run `mx.fast.scaled_dot_product_attention`.
+reads each row's blocks (a slice of the pool when they are one run, else a gather: attention.py)
+and lets the model run `mx.fast.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from sidecar.runner import attention
 from sidecar.runner.kv_spec import STATE, LayerSpec
 
 __all__ = ["DTYPES", "BatchLayout", "KVPool", "LayerSpec", "PagedCache", "dtype_name"]
@@ -49,8 +52,8 @@ class KVPool:
                 self.states.append([mx.zeros((num_blocks + 1, *shape), DTYPES[d])
                                     for shape, d in zip(s.state_shapes, s.state_dtypes)])
             else:
-                self.keys.append(mx.zeros((slots, s.num_kv_heads, s.head_size), DTYPES[s.dtype]))
-                self.values.append(mx.zeros((slots, s.num_kv_heads, s.head_size_v), DTYPES[s.dtype]))
+                self.keys.append(mx.zeros((1, s.num_kv_heads, slots, s.head_size), DTYPES[s.dtype]))
+                self.values.append(mx.zeros((1, s.num_kv_heads, slots, s.head_size_v), DTYPES[s.dtype]))
                 self.states.append(None)
         mx.eval(self.arrays())
 
@@ -94,7 +97,7 @@ class BatchLayout:
 
     offsets: mx.array  # [B] start positions (RoPE offsets)
     write_slots: mx.array  # [B * L]
-    read_slots: mx.array  # [B, K]
+    reads: attention.ReadPlan  # [B, K] slots: a slice of the pool (one row, one run) or a gather
     query_pos: mx.array  # [B, L]
     ctx_lens: mx.array  # [B]
     key_pos: mx.array | None = None  # [B, K] positions of the keys read (None: 0 .. K-1)
@@ -139,17 +142,22 @@ class BatchLayout:
         uniform = bool((ctx == ctx[0]).all() and (n == L).all() and not base.any())
         return cls(
             offsets=mx.array(starts_np.astype(np.int32)), write_slots=mx.array(write.reshape(-1).astype(np.int32)),
-            read_slots=mx.array(read.astype(np.int32)), query_pos=mx.array(pos.astype(np.int32)),
+            reads=attention.plan_reads(read), query_pos=mx.array(pos.astype(np.int32)),
             ctx_lens=mx.array(ctx.astype(np.int32)), key_pos=mx.array(kpos.astype(np.int32)) if base.any() else None,
             valid_q=None if valid.all() else mx.array(valid), uniform=uniform,
             scalar_offset=int(starts_np[0]) if scalar and B == 1 else None, start_position=int(base[0]),
         )
 
+    @property
+    def read_slots(self) -> mx.array:
+        """[B, K] the slots read (materialised for an in-place read)."""
+        return self.reads.slot_array()
+
     def mask(self, window: int | None = None, return_array: bool = False, five_d: bool = False,
              chunk: int | None = None) -> mx.array | str | None:
         """[B, 1, L, K] bool ([B, 1, 1, L, K] for grouped 5-D scores). Padding queries see their
         row's first key, so no row is all-masked (its NaN would reach the padding slot)."""
-        K, L = self.read_slots.shape[1], self.query_pos.shape[1]
+        K, L = self.reads.length, self.query_pos.shape[1]
         if self.uniform and (window is None or window >= K) and not chunk and (L == 1 or not return_array):
             return None if L == 1 else "causal"
         key = (window, five_d, chunk)
@@ -191,15 +199,10 @@ class PagedCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         pool, i, lay = self.pool, self.layer, self.layout
-        B, H, L, _ = keys.shape
-        kp, vp = pool.keys[i], pool.values[i]
-        kp[lay.write_slots] = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1).astype(kp.dtype)
-        vp[lay.write_slots] = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1).astype(vp.dtype)
-        pool.keys[i], pool.values[i] = kp, vp
-        k = kp[lay.read_slots].transpose(0, 2, 1, 3)
-        v = vp[lay.read_slots].transpose(0, 2, 1, 3)
-        if k.dtype != keys.dtype:
-            k, v = k.astype(keys.dtype), v.astype(values.dtype)
+        pool.keys[i] = attention.write(pool.keys[i], lay.write_slots, keys)  # type: ignore[arg-type]
+        pool.values[i] = attention.write(pool.values[i], lay.write_slots, values)  # type: ignore[arg-type]
+        k = attention.read(pool.keys[i], lay.reads, keys.dtype)  # type: ignore[arg-type]
+        v = attention.read(pool.values[i], lay.reads, values.dtype)  # type: ignore[arg-type]
         self.keys, self.values = k, v  # read (and reassigned) by deepseek_v32's indexer; the pool is the truth
         return k, v
 

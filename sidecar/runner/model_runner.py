@@ -23,6 +23,7 @@ from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches
 from sidecar.runner.kv_cache import KVPool, LayerSpec
+from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs
@@ -128,6 +129,7 @@ class ModelRunner:
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
         self._ahead: _Ahead | None = None
+        self._layouts = LayoutBuilder()
         self.ahead_hits = self.ahead_misses = 0
         self._pending: _Pending | None = None
         self.spec = SpecCounters()
@@ -266,8 +268,9 @@ class ModelRunner:
         nxt = [Row(rows[i].state, rows[i].end, [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
                for i in idx]
         last: list[mx.array | None] = [None] * len(nxt)
-        self._forward(nxt, list(range(len(nxt))), last, {}, tokens=tokens[mx.array(idx)][:, None])
-        logits = mx.concatenate(last, axis=0)  # type: ignore[arg-type]
+        nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
+        self._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
+        logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
         mx.async_eval(logits, self.pool.arrays())  # type: ignore[union-attr]
         return idx, logits
 
@@ -310,7 +313,7 @@ class ModelRunner:
                 self._forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
         for store in stores:
             store()
-        return mx.concatenate([x for x in last], axis=0), prompt_lp  # type: ignore[misc]
+        return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
 
     def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, start_ahead: bool,
                 grammar: GrammarMask | None = None, propose: bool = False) -> ModelRunnerOutput:
@@ -429,8 +432,8 @@ class ModelRunner:
                 select.extend(b * L + i for i in range(hi - r.start))
             last_at.append(len(select))
             select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
-        index = mx.array(np.asarray(select, np.int32))
-        caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths)
+        index = mx.array(select, dtype=mx.int32)
+        caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths, self._layouts.build)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:

@@ -41,6 +41,7 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None  # set once full and computed; cleared when evicted for reuse
     token_ids: tuple[int, ...] = ()  # the tokens it was hashed with; hits are checked against them
+    parent: bytes | None = None  # the hash of the block before it in its chain (None: a head)
 
 
 class BlockManager:
@@ -109,6 +110,7 @@ class BlockManager:
             # Same content computed concurrently by another sequence: keep the first copy only.
             if hashes[i] not in self.cached:
                 block.hash, block.token_ids = hashes[i], tuple(tokens[i * bs : (i + 1) * bs])
+                block.parent = hashes[i - 1] if i else None
                 self.cached[hashes[i]] = block.block_id
         seq.num_cached_blocks = n
 
@@ -121,13 +123,35 @@ class BlockManager:
             del self.free_blocks[bid]
         block.ref_count += 1
 
-    def _pop_free(self) -> int:
+    def _pop_free(self, seq: SeqLike | None = None, table: list[int] | None = None) -> int:
+        """A free block for entry len(table) of seq's table: the block right after its last one
+        when that is free and holds nothing cached, or exactly the tokens seq puts there (the
+        same prompt's next block, which a hit stops short of and seq recomputes as it was), so
+        a table grows as one run of consecutive ids and the worker reads it in place instead of
+        gathering it every step. Otherwise the least recently used free block."""
+        if table and table[-1] + 1 < self.num_blocks and table[-1] + 1 in self.free_blocks:
+            bid = table[-1] + 1
+            nxt = self.blocks[bid]
+            if nxt.hash is None or (seq is not None and self._continues(seq, table, nxt)):
+                del self.free_blocks[bid]
+                return self._claim(bid)
         bid, _ = self.free_blocks.popitem(last=False)
+        return self._claim(bid)
+
+    def _continues(self, seq: SeqLike, table: list[int], block: Block) -> bool:
+        """Whether cached `block` holds exactly seq's next block: same chain, same tokens."""
+        prev = self.blocks[table[-1]].hash
+        if prev is None or block.parent != prev:
+            return False
+        i, bs = len(table), self.block_size
+        return block.token_ids == tuple(seq.all_token_ids[i * bs : (i + 1) * bs])
+
+    def _claim(self, bid: int) -> int:
         block = self.blocks[bid]
         if block.hash is not None:  # evict its cached content
             if self.cached.get(block.hash) == bid:
                 del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.parent = None, (), None
         block.ref_count = 1
         return bid
 
@@ -147,7 +171,10 @@ class BlockManager:
         for bid in cached_blocks:  # take the hits first so allocating fresh blocks can't evict them
             self._take(bid)
         fresh = self.blocks_for(num_tokens) - len(cached_blocks)
-        seq.block_table = list(cached_blocks) + [self._pop_free() for _ in range(fresh)]
+        table = list(cached_blocks)
+        for _ in range(fresh):
+            table.append(self._pop_free(seq, table))
+        seq.block_table = table
         seq.num_cached_blocks = len(cached_blocks)
         return True
 
@@ -156,7 +183,8 @@ class BlockManager:
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need > len(self.free_blocks):
             return False
-        seq.block_table += [self._pop_free() for _ in range(need)]
+        for _ in range(need):
+            seq.block_table.append(self._pop_free(seq, seq.block_table))
         return True
 
     def free(self, seq: SeqLike) -> None:

@@ -194,3 +194,18 @@ def test_small_generates_and_decodes_padded_ids(tmp_path: Path) -> None:
         assert detok.text.startswith("<|reserved_30975|><|reserved_6|>")
     finally:
         shutil.rmtree(path)  # don't keep 270 MB in pytest's retained tmp dirs
+
+
+def test_longctx_kv_outweighs_its_weights() -> None:
+    """builtin:longctx (the long-context bench model): its fp32 KV at 4096 tokens (16 MiB) exceeds
+    its ~10 MiB of weights, and it takes 16k+ positions. Shapes only: nothing is generated."""
+    from mlx.utils import tree_flatten
+
+    spec = BUILTIN_MODELS["longctx"]
+    config = builtin.builtin_files("longctx")["config.json"]
+    model = llama.Model(llama.ModelArgs.from_dict(config))  # lazy parameters
+    weight_bytes = sum(int(np.prod(v.shape)) * 4 for _, v in tree_flatten(model.parameters()))
+    kv_bytes_4k = 4096 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * 4
+    assert kv_bytes_4k == 16 * 2**20
+    assert 9 * 2**20 < weight_bytes < 11 * 2**20 < kv_bytes_4k
+    assert config["max_position_embeddings"] >= 16384 + 1024

@@ -20,7 +20,8 @@ def _scribble(pool, block: int, rng: np.random.Generator) -> None:
     for arrays in (pool.keys, pool.values):
         for i, a in enumerate(arrays):
             if a is not None:
-                a[sl] = mx.array(rng.standard_normal((BLOCK, *a.shape[1:])).astype(np.float32) * 30)
+                noise = rng.standard_normal((*a.shape[:2], BLOCK, a.shape[3])).astype(np.float32)  # [1, H, slots, D]
+                a[:, :, sl] = mx.array(noise * 30)
                 arrays[i] = a
     mx.eval(pool.arrays())
 

@@ -73,7 +73,7 @@ def test_prefix_cache_negative_control(make_worker) -> None:
     pool = w.runner.pool
     for i in range(len(pool.keys)):
         slots = mx.arange(a.blocks[1] * bs, (a.blocks[1] + 1) * bs)
-        pool.keys[i][slots] = mx.random.normal(pool.keys[i][slots].shape) * 10
+        pool.keys[i][:, :, slots] = mx.random.normal(pool.keys[i][:, :, slots].shape) * 10
     mx.eval(pool.keys)
     d.add("B", shared + tail, blocks=a.blocks[:2] + d.alloc(3), computed=2 * bs)
     d.add("C", shared + tail)

@@ -201,3 +201,29 @@ def test_hash_collision_is_not_a_hit(monkeypatch):
     a = computed(bm, [1, 2, 3])
     assert bm.cached_prefix(Seq([1, 2, 3])) == a.block_table[:1]
     assert bm.cached_prefix(Seq([4, 5, 6])) == []  # same hash, other tokens
+
+
+def test_tables_grow_as_runs_without_evicting_other_content():
+    """A table takes the block after its last one when that holds nothing cached, or exactly its
+    own next block (a hit stops short of the last token); never another sequence's content."""
+    bm = BlockManager(num_blocks=16, block_size=2)
+    a = computed(bm, [1, 2, 3, 4, 5, 6, 7, 8])  # blocks 0-3, all cached
+    assert a.block_table == [0, 1, 2, 3]
+    bm.free(a)
+    # The same prompt again: the hit covers 3 blocks (never the last token); its 4th block is
+    # the cached copy of itself right after them (LRU order would give the never-used 4).
+    b = Seq([1, 2, 3, 4, 5, 6, 7, 8])
+    hits = bm.cached_prefix(b)
+    assert hits == [0, 1, 2]
+    assert bm.allocate(b, 8, hits) and b.block_table == [0, 1, 2, 3]
+    b.num_computed_tokens = 8
+    assert bm.append_slots(b, 3) and b.block_table == [0, 1, 2, 3, 4, 5]  # never used: next in line
+    bm.check([b])
+    bm.free(b)
+    # Same chain, other tokens (a sibling branch): that cached block is left alone.
+    c = Seq([1, 2, 3, 4, 9, 9, 9, 9])
+    hits = bm.cached_prefix(c)
+    assert hits == [0, 1]
+    assert bm.allocate(c, 8, hits)
+    assert c.block_table[2] != 2 and len(bm.cached_prefix(Seq([1, 2, 3, 4, 5, 6, 0]))) == 3
+    bm.check([c])

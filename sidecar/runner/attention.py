@@ -1,0 +1,89 @@
+"""The paged cache's read and write paths: where a batch's K/V go in the pool and come from.
+
+The pool of one layer is head-major, `[1, num_kv_heads, slots, head_dim]` (slot as in
+kv_cache.py: `block * block_size + offset`; the leading 1 makes a read one slicing op, as
+mlx-lm's cache read is), so a run of consecutive slots is, for every head, one contiguous stretch
+of memory: exactly the layout of mlx-lm's own KVCache buffer
+(`[B, H, T, D]`, read as `keys[..., :offset, :]`). A row whose blocks are one run of consecutive
+block ids (what a block allocator hands out most of the time: the reference scheduler's does for
+a stream on a fresh or recycled pool) is then read in place: a slice of the pool, no copy, no
+gather, and `mx.fast.scaled_dot_product_attention` reads it as it reads mlx-lm's cache.
+
+Everything else (a batch of several rows, or a row whose blocks are scattered) is gathered once
+per layer into a contiguous `[B, H, K, D]`. (Token-major K/V, `[B, K, H, D]` transposed, is a
+strided input that MLX's GQA attention handles several times slower than a contiguous one: that,
+not the gather itself, was most of the long-context cost.)
+
+A `ReadPlan` is made once per layout from the slots the layout reads (`plan_reads`, numpy; the
+decode fast path in layouts.py checks a run in plain Python), shared by every layer using that
+layout; `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
+chunk reads from its first visible block, so its run check covers only the keys it reads. A fused
+paged-attention kernel (Metal) would replace `read` + attention behind the same seam; none is
+shipped (no Metal machine here to verify one against this path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How every layer reads this batch's keys: K slots per row, `[B, H, K, D]`."""
+
+    length: int  # K
+    start: int | None  # one row, one run: its first slot (read as a slice)
+    slots: mx.array | None  # otherwise: [B, K] slots gathered
+    _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]
+
+    @property
+    def in_place(self) -> bool:
+        return self.start is not None
+
+    def slot_array(self) -> mx.array:
+        if self.slots is not None:
+            return self.slots
+        return mx.arange(self.start, self.start + self.length, dtype=mx.int32)[None]  # type: ignore[operator]
+
+
+def is_run(row: np.ndarray) -> bool:
+    return row.size < 2 or bool((np.diff(row) == 1).all())
+
+
+def plan_reads(slots: np.ndarray) -> ReadPlan:
+    """slots [B, K]: the slot of every key each row reads (past a row's context: the padding
+    slot, masked). One row whose slots are consecutive is read in place."""
+    B, K = slots.shape
+    if B == 1 and is_run(slots[0]):
+        return ReadPlan(K, int(slots[0, 0]), None)
+    return ReadPlan(K, None, mx.array(slots.astype(np.int32)))
+
+
+def write(pool: mx.array, slots: mx.array, new: mx.array) -> mx.array:
+    """Scatter new [B, H, L, D] into the pool [1, H, S, D] at slots [B * L]; returns the pool
+    (updated in place: MLX donates its buffer when nothing else holds it). One row is written
+    as it comes (one op per layer and K/V, as mlx-lm's cache update)."""
+    B, H, L, D = new.shape
+    if new.dtype != pool.dtype:
+        new = new.astype(pool.dtype)
+    pool[:, :, slots] = new if B == 1 else new.swapaxes(0, 1).reshape(1, H, B * L, D)
+    return pool
+
+
+def read(pool: mx.array, plan: ReadPlan, dtype: mx.Dtype) -> mx.array:
+    """The batch's keys or values, [B, H, K, D] contiguous per head (a view of the pool when in place)."""
+    if plan.start is not None:
+        out = pool[:, :, plan.start : plan.start + plan.length]
+    else:
+        # One gather whose result is already [B, H, K, D] row-major: index the pool's heads and
+        # slots as one flat axis.
+        _, H, S, D = pool.shape
+        idx = plan._index.get((H, S))
+        if idx is None:  # once per plan for all layers of one shape
+            heads = (mx.arange(H, dtype=mx.int32) * S)[None, :, None]
+            idx = plan._index[H, S] = plan.slots[:, None, :] + heads  # type: ignore[index]
+        out = pool.reshape(H * S, D)[idx]
+    return out if out.dtype == dtype else out.astype(dtype)
