@@ -1,4 +1,6 @@
-"""MLXWorker: the vLLM worker lifecycle and its state machine; compute is delegated to the runner.
+"""MLXWorker: the vLLM worker lifecycle; compute is delegated to the runner, the state machine
+(sidecar/lifecycle.py), memory accounting (sidecar/memory.py), sleep mode, profiling and model
+facts to small helpers.
 
 Every method runs on the one MLX thread (the server guarantees it). Attributes the metrics read
 (`state`, `healthy`, ...) are plain values replaced atomically, so a scrape never waits on a step.
@@ -6,102 +8,39 @@ Every method runs on the one MLX thread (the server guarantees it). Attributes t
 
 from __future__ import annotations
 
-import cProfile
-import enum
-import functools
-import json
 import logging
-import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from sidecar.config import Config, ConfigError
-from sidecar.errors import ProtocolError, StateError, Unavailable
+from sidecar.errors import ProtocolError, Unavailable
+from sidecar.lifecycle import ALLOWED, INIT_STATES, S, State, StateMachine, lifecycle
+from sidecar.limits import Limits, check_step_shape
+from sidecar.lora_request import lora_request_args
+from sidecar.memory import check_pool_fits, device_memory_bytes, kv_bytes_free, memory_budget_bytes, profile_run
+from sidecar.model_info import describe, eos_ids, vocab_size, weights_bytes
+from sidecar.profiling import Profiler
 from sidecar.protocol import ModelRunnerOutput, check, get
 from sidecar.runner import kv_groups
-from sidecar.runner.kv_cache import DTYPES, KVPool, dtype_name
 from sidecar.runner.batch_caches import probe_batched
 from sidecar.runner.kv_spec import LayerSpec, derive, spec_wire
 from sidecar.runner.model_runner import ModelRunner
-from sidecar.runner.requests import RequestState, Row
-from sidecar.limits import Limits, check_step_shape
+from sidecar.sleep_mode import SleepMode
+
+__all__ = ["ALLOWED", "MLXWorker", "State", "device_memory_bytes", "lifecycle", "memory_budget_bytes"]
 
 log = logging.getLogger(__name__)
-
-
-class State(str, enum.Enum):
-    CREATED = "created"
-    DEVICE_READY = "device_ready"
-    MODEL_LOADED = "model_loaded"
-    CACHE_READY = "cache_ready"
-    READY = "ready"
-    SLEEPING = "sleeping"
-    SHUT_DOWN = "shut_down"
-
-
-S = State
-_LOADED = {S.MODEL_LOADED, S.CACHE_READY, S.READY}
-INIT_STATES = {S.CREATED, S.DEVICE_READY, S.SHUT_DOWN}
-_CACHED = {S.CACHE_READY, S.READY}
-# method -> (states it is allowed in, what must come first)
-ALLOWED: dict[str, tuple[set[State], str]] = {
-    "init_device": (set(State), ""),  # checked in init_device: INIT_STATES, or any state with reset=true (v2)
-    "load_model": ({S.DEVICE_READY}, "call init_device first (load_model runs once per init_device)"),
-    "determine_available_memory": (_LOADED, "call load_model first"),
-    "get_kv_cache_spec": (_LOADED | {S.SLEEPING}, "call load_model first"),
-    "get_kv_cache_groups": (_LOADED | {S.SLEEPING}, "call load_model first"),
-    "get_cache_block_size_bytes": (_LOADED | {S.SLEEPING}, "call load_model first"),
-    "get_model": (_LOADED, "call load_model first"),
-    "vocab_size": (_LOADED | {S.SLEEPING}, "call load_model first"),
-    "initialize_cache": (_LOADED, "call load_model first"),
-    "initialize_from_config": (_LOADED, "call load_model first"),
-    "compile_or_warm_up_model": (_CACHED, "call initialize_cache first"),
-    "execute_model": (_CACHED, "call initialize_cache first"),
-    "sample_tokens": (_CACHED, "call execute_model(defer_sampling=True) first"),
-    "take_draft_token_ids": (_CACHED, "call initialize_cache first"),
-    "sleep": (_CACHED, "call initialize_cache first"),
-    "wake_up": ({S.SLEEPING}, "call sleep first"),
-    "check_health": (set(State), ""),
-    "shutdown": (set(State), ""),
-    "add_lora": (_LOADED, "call load_model first"),
-    "remove_lora": (_LOADED, "call load_model first"),
-    "pin_lora": (_LOADED, "call load_model first"),
-    "list_loras": (_LOADED, "call load_model first"),
-    "profile": (set(State), ""),
-}
-
-
-def lifecycle(fn: Callable) -> Callable:
-    """Check the state machine before the call: out of order is a 409 naming what comes first."""
-
-    @functools.wraps(fn)
-    def wrapper(self: MLXWorker, *args: Any, **kwargs: Any) -> Any:
-        self.require(fn.__name__)
-        return fn(self, *args, **kwargs)
-
-    return wrapper
-
-
-def device_memory_bytes() -> int:
-    """Device memory: MLX's device info on Metal/CUDA, the OS's physical memory on CPU."""
-    if mx.default_device() == mx.gpu:
-        info = mx.device_info()
-        for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
-            if info.get(key):
-                return int(info[key])
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _gpu_available() -> bool:
     return mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
 
 
-class MLXWorker:
+class MLXWorker(StateMachine):
     lazy_load = False  # scale-out (sidecar/distributed) loads lazily and materialises only its shard
     def __init__(self, vllm_config: Config | dict | None = None, local_rank: int = 0, rank: int = 0,
                  distributed_init_method: str = "", is_driver_worker: bool = False):
@@ -121,26 +60,21 @@ class MLXWorker:
         self.weights_bytes = 0
         self.baseline_active_bytes = 0
         self.activation_peak_bytes = 0
-        self._profiler: cProfile.Profile | None = None
-        self._asleep: set[str] = set()
-        self._awake_state = S.READY
-        self._sleep_blocks = 0
+        self._profiler = Profiler()
+        self._sleep = SleepMode()
 
     def __repr__(self) -> str:
         model = self.model_path.name if self.model_path else None
         blocks = self.runner.num_blocks if self.runner else 0
         return f"MLXWorker(state={self.state.value}, device={self.device}, model={model}, num_blocks={blocks})"
 
-    # --- the state machine -------------------------------------------------------------------
-
-    def require(self, method: str, states: set[State] | None = None, hint: str | None = None) -> None:
-        if states is None:
-            states, hint = ALLOWED[method]
-        if self.state not in states:
-            if self.state == S.SLEEPING:
-                raise Unavailable(f"{method}: the worker is sleeping; call wake_up first", retry_after=1)
-            allowed = ", ".join(sorted(s.value for s in states))
-            raise StateError(f"{method} is not allowed in state {self.state.value!r} (allowed: {allowed}); {hint}")
+    def _pool_bytes(self) -> int:
+        """Bytes of the pools a new allocation replaces (ours and a draft model's): reusable."""
+        runner = self.runner
+        if runner is None:
+            return 0
+        draft = getattr(runner.proposer, "runner", None)
+        return sum(r.pool.nbytes for r in (runner, draft) if r is not None and r.pool is not None)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -184,7 +118,7 @@ class MLXWorker:
             path = resolve_model(self.config.model, self.config.home)
             model, config = load_model(path, lazy=self.lazy_load)
             self.model, self.model_config, self.model_path = model, config, path
-            vocab, eos = self._vocab_size(), self._eos_ids()
+            vocab, eos = vocab_size(config), eos_ids(config, path)
         except (Exception, SystemExit) as e:  # noqa: BLE001 (mlx-lm's olmo module exits without ai2-olmo)
             self.model, self.model_config, self.model_path = None, {}, None
             why = "not found or not an mlx-lm model directory" if isinstance(e, ModelNotFound) else type(e).__name__
@@ -195,7 +129,7 @@ class MLXWorker:
         except BaseException:
             self.model, self.model_config, self.model_path = None, {}, None
             raise
-        self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self.weights_bytes = weights_bytes(model)
         cap = self.config.max_model_len or min(int(config.get("max_position_embeddings") or 4096), 32768)
         self.runner = ModelRunner(
             model, caches.specs, vocab_size=vocab, eos_token_ids=eos,
@@ -216,32 +150,10 @@ class MLXWorker:
             self.model_config = {}
             raise ProtocolError("speculative decoding is not offered for models with recurrent state",
                                 field="config.speculative_method")
-        self.runner.proposer = proposer_for(self.config, vocab_size=self._vocab_size(), max_model_len=cap,
+        self.runner.proposer = proposer_for(self.config, vocab_size=vocab, max_model_len=cap,
                                             layer_specs=self._layer_specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
-
-    def _model_dtype(self) -> mx.Dtype:
-        for _, v in tree_flatten(self.model.parameters()):  # type: ignore[union-attr]
-            if v.dtype in DTYPES.values():
-                return v.dtype
-        return mx.float16
-
-    def _vocab_size(self) -> int:
-        if "vocab_size" in self.model_config:
-            return int(self.model_config["vocab_size"])
-        return int(self.model_config["text_config"]["vocab_size"])
-
-    def _eos_ids(self) -> list[int]:
-        ids: list[int] = []
-        sources = [self.model_config]
-        gen = self.model_path / "generation_config.json"  # type: ignore[operator]
-        if gen.exists():
-            sources.append(json.loads(gen.read_text()))
-        for src in sources:
-            v = src.get("eos_token_id")
-            ids += v if isinstance(v, list) else [] if v is None else [v]
-        return sorted(set(ids))
 
     def _layer_specs(self, model_config: dict | None = None, model: nn.Module | None = None) -> list[LayerSpec]:
         """A draft model's layer specs, measured from it like the model's own (plain cache lists only)."""
@@ -261,8 +173,10 @@ class MLXWorker:
         assert self.runner is not None
         if kv_cache_memory_bytes is not None:
             check(kv_cache_memory_bytes, int, "kv_cache_memory_bytes")
-            if not 0 < kv_cache_memory_bytes <= device_memory_bytes():
-                raise ProtocolError(f"must be in (0, {device_memory_bytes()}] bytes", field="kv_cache_memory_bytes")
+            budget = memory_budget_bytes()
+            if not 0 < kv_cache_memory_bytes <= budget:
+                raise ProtocolError(f"must be in (0, {budget}] bytes (the memory this process can have)",
+                                    field="kv_cache_memory_bytes")
             return kv_cache_memory_bytes
         fraction = self.config.gpu_memory_utilization
         if gpu_memory_utilization is not None:
@@ -273,47 +187,19 @@ class MLXWorker:
         mx.clear_cache()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        self._profile_run()
+        profile_run(self.runner, self.config)
         self.activation_peak_bytes = max(0, mx.get_peak_memory() - before)
         mx.clear_cache()
-        total = int(device_memory_bytes() * fraction)
-        held = self.runner.pool.nbytes if self.runner.pool else 0  # an existing pool is reusable
-        free = total - self.weights_bytes - self.activation_peak_bytes - (mx.get_active_memory() - before) + held
+        free = kv_bytes_free(memory_budget_bytes(), fraction, self.weights_bytes, self.activation_peak_bytes,
+                             mx.get_active_memory() - before, self._pool_bytes())
         draft = getattr(self.runner.proposer, "runner", None)
         if draft is not None:  # the draft model's weights, and a draft block for every block of ours
-            free -= sum(v.nbytes for _, v in tree_flatten(draft.model.parameters()))
+            free -= weights_bytes(draft.model)
             ours, theirs = self.get_cache_block_size_bytes(), sum(s.page_size_bytes for s in draft.specs)
             free = free * ours // (ours + theirs)
         log.info("determine_available_memory: %d bytes (weights %d, activation peak %d)",
                  free, self.weights_bytes, self.activation_peak_bytes)
         return max(0, free)
-
-    def _profile_run(self) -> float:
-        """Forwards at the configured limits on a scratch pool: a full-budget prefill and a full decode batch."""
-        runner = self.runner
-        assert runner is not None
-        cfg = self.config
-        seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-        prefill = max(1, min(cfg.max_num_batched_tokens, runner.max_model_len))
-        bs = cfg.block_size
-        blocks = -(-prefill // bs) + seqs
-        pool, saved = runner.pool, runner.requests
-        t0 = time.perf_counter()
-        try:
-            runner.pool, runner.requests = KVPool(runner.specs, blocks), {}
-            from sidecar.runner.sampler import SamplingParams
-
-            greedy = SamplingParams(temperature=0.0)
-            big = RequestState("profile-prefill", [0] * prefill, greedy, list(range(-(-prefill // bs))))
-            runner._run([Row(big, 0, big.prompt_token_ids, big.block_ids, True)])
-            rows = []
-            for i in range(seqs):
-                s = RequestState(f"profile-{i}", [0], greedy, [blocks - 1 - i])
-                rows.append(Row(s, 0, [0], s.block_ids, True))
-            runner._run(rows)
-        finally:
-            runner.pool, runner.requests = pool, saved
-        return time.perf_counter() - t0
 
     @lifecycle
     def get_kv_cache_spec(self) -> dict[str, dict]:
@@ -338,10 +224,9 @@ class MLXWorker:
         check(num_cpu_blocks, int, "num_cpu_blocks")
         if num_gpu_blocks < 1:
             raise ProtocolError("num_gpu_blocks must be >= 1", field="num_gpu_blocks")
-        need = num_gpu_blocks * self.get_cache_block_size_bytes()
-        limit = device_memory_bytes()
-        if need > limit:
-            raise ProtocolError(f"{num_gpu_blocks} blocks need {need} bytes, the device has {limit}", field="num_gpu_blocks")
+        draft = getattr(self.runner.proposer, "runner", None)  # it allocates a draft block for each of ours
+        per_block = self.get_cache_block_size_bytes() + (sum(s.page_size_bytes for s in draft.specs) if draft else 0)
+        need = check_pool_fits(num_gpu_blocks, per_block, self._pool_bytes(), self.activation_peak_bytes)
         self.runner.allocate(num_gpu_blocks)
         log.info("initialize_cache: %d blocks of %d tokens (%d bytes)", num_gpu_blocks, self.config.block_size, need)
         self.state = S.CACHE_READY
@@ -383,7 +268,7 @@ class MLXWorker:
         """Seconds spent; v2 `compilation_times=True`: vLLM's CompilationTimes shape
         `{"language_model": s, "encoder": 0.0}`."""
         check(compilation_times, bool, "compilation_times")
-        seconds = self._profile_run()
+        seconds = profile_run(self.runner, self.config)
         mx.clear_cache()
         self.state = S.READY
         return {"language_model": seconds, "encoder": 0.0} if compilation_times else seconds
@@ -423,21 +308,11 @@ class MLXWorker:
 
     @lifecycle
     def get_model(self) -> dict:
-        c = self.model_config.get("text_config", self.model_config)
-        params = sum(v.size for _, v in tree_flatten(self.model.parameters()))  # type: ignore[union-attr]
-        return {
-            "type": c.get("model_type"), "num_layers": len(self.model.layers),  # type: ignore[union-attr]
-            "hidden_size": c.get("hidden_size"), "num_attention_heads": c.get("num_attention_heads"),
-            "num_kv_heads": next((s.num_kv_heads for s in self.runner.specs if s.kind != "state"), 0) if self.runner else None,
-            "vocab_size": self._vocab_size(), "params": params, "weights_bytes": self.weights_bytes,
-            "dtype": dtype_name(self._model_dtype()), "quantization": self.model_config.get("quantization"),
-            "max_model_len": self.runner.max_model_len if self.runner else None,
-            "eos_token_ids": self._eos_ids(), "path": str(self.model_path), "name": self.config.model,
-        }
+        return describe(self)
 
     @lifecycle
     def vocab_size(self) -> int:
-        return self._vocab_size()
+        return vocab_size(self.model_config)
 
     @lifecycle
     def shutdown(self) -> None:
@@ -450,88 +325,33 @@ class MLXWorker:
         log.info("shutdown: active memory %d bytes", mx.get_active_memory())
         self.state = S.SHUT_DOWN
 
-    # --- sleep mode ---------------------------------------------------------------------------
+    # --- sleep mode, profiling, LoRA adapters (mlx-lm format, from under --lora-dir) -------------
 
     @lifecycle
     def sleep(self, level: int = 1) -> None:
         """Level 1 discards the KV cache (contents and request state); level 2 also frees the
-        weights, reloaded from disk on wake_up. (On unified memory there is no host to offload to.)"""
-        if check(level, int, "level") not in (1, 2):
-            raise ProtocolError(f"level must be 1 or 2, got {level}", field="level")
-        assert self.runner is not None
-        self._awake_state, self._sleep_blocks = self.state, self.runner.num_blocks
-        self.runner.free()
-        self._asleep = {"kv_cache"}
-        if level == 2:
-            self.runner.drop_model()
-            self.model = None
-            self.weights_bytes = 0
-            self._asleep.add("weights")
-        mx.clear_cache()
-        self.state = S.SLEEPING
-        log.info("sleep(level=%d): active memory %d bytes", level, mx.get_active_memory())
+        weights, reloaded from disk on wake_up."""
+        self._sleep.sleep(self, level)
 
     @lifecycle
     def wake_up(self, tags: list[str] | None = None) -> None:
-        wanted = {"weights", "kv_cache"} if tags is None else set(check(tags, list, "tags"))
-        unknown = wanted - {"weights", "kv_cache"}
-        if unknown:
-            raise ProtocolError(f"unknown tag {sorted(unknown)[0]!r} (tags: weights, kv_cache)", field="tags")
-        assert self.runner is not None
-        if "weights" in wanted & self._asleep:
-            from mlx_lm.utils import load_model
-
-            model, _ = load_model(self.model_path, lazy=self.lazy_load)  # type: ignore[arg-type]
-            self.model = model
-            self.runner.set_model(model)
-            self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-            self._asleep.discard("weights")
-        if "kv_cache" in wanted & self._asleep:
-            self.runner.allocate(self._sleep_blocks)
-            self._asleep.discard("kv_cache")
-        if not self._asleep:
-            self.state = self._awake_state
-
-    # --- profiling ----------------------------------------------------------------------------
+        self._sleep.wake_up(self, tags)
 
     @lifecycle
     def profile(self, is_start: bool = True) -> str | None:
-        """cProfile of the MLX thread (every worker call runs there), plus a Metal GPU capture when
-        available; stop writes `<home>/profiles/worker-<time>.prof` and returns its path."""
-        check(is_start, bool, "is_start")
-        if is_start:
-            if self._profiler is not None:
-                raise StateError("a profile is already running; call profile(is_start=False) first")
-            self._profiler = cProfile.Profile()
-            self._profiler.enable()
+        """cProfile of the MLX thread; stop writes `<home>/profiles/worker-<time>.prof` and returns its path."""
+        if check(is_start, bool, "is_start"):
+            self._profiler.start()
             return None
-        if self._profiler is None:
-            raise StateError("no profile is running; call profile(is_start=True) first")
-        self._profiler.disable()
-        from sidecar.models import cache_home
-
-        out = cache_home(self.config.home) / "profiles" / f"worker-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.prof"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self._profiler.dump_stats(str(out))
-        self._profiler = None
-        log.info("profile written to %s", out)
-        return str(out)
-
-    # --- LoRA adapters (mlx-lm format, from under --lora-dir) ------------------------------------
+        return self._profiler.stop(self.config.home)
 
     @lifecycle
     def add_lora(self, lora_request: dict) -> bool:
         """Load an adapter: {lora_int_id, lora_name, lora_path (relative to --lora-dir)}. False
         when the id is already loaded or every slot holds a pinned or in-use adapter."""
         assert self.runner is not None
-        check(lora_request, dict, "lora_request")
-        lora_id = get(lora_request, "lora_int_id", int, "lora_request")
-        if lora_id < 1:
-            raise ProtocolError("lora_int_id must be >= 1", field="lora_request.lora_int_id")
-        name = get(lora_request, "lora_name", str, "lora_request", default=str(lora_id))
-        path = get(lora_request, "lora_path", str, "lora_request")
+        lora_id, name, path = lora_request_args(lora_request)
         return self.runner.lora.add(lora_id, name, path, self.runner.loras_in_use())
-
     @lifecycle
     def remove_lora(self, lora_id: int) -> bool:
         """False when unknown or still used by a live request."""

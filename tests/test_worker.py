@@ -166,3 +166,34 @@ def test_profile_writes_a_real_profile(make_worker) -> None:
     path = w.profile(is_start=False)
     names = {fn for (_, _, fn) in pstats.Stats(path).stats}  # type: ignore[attr-defined]
     assert "execute_model" in names and "_forward" in names
+
+
+def test_oversized_initialize_cache_is_a_400_and_changes_nothing(make_worker) -> None:
+    from sidecar.memory import memory_budget_bytes
+
+    w = make_worker()
+    pool, per_block = w.runner.pool, w.get_cache_block_size_bytes()
+    too_many = memory_budget_bytes() // per_block + 1  # under the machine's total memory, over what it can give
+    with pytest.raises(ProtocolError) as e:
+        w.initialize_cache(too_many)
+    assert e.value.field == "num_gpu_blocks" and f"{too_many} blocks need" in str(e.value)
+    assert w.runner.pool is pool and w.runner.num_blocks == 256 and w.state == State.CACHE_READY
+    w.initialize_cache(300)  # negative control: a pool that fits is allocated
+    assert w.runner.num_blocks == 300
+
+
+def test_initialize_cache_budget_counts_the_pool_it_replaces(make_worker, monkeypatch, tmp_path) -> None:
+    from sidecar import memory
+
+    w = make_worker()
+    pool = w.runner.pool
+    nothing_free = tmp_path / "meminfo"
+    nothing_free.write_text("MemAvailable: 0 kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", nothing_free)
+    monkeypatch.setattr(memory, "CGROUP", tmp_path)
+    mx.clear_cache()  # (MLX's buffer cache is the process's to reuse, so it counts as room)
+    with pytest.raises(ProtocolError) as e:  # the old check (the machine's total) let this through
+        w.initialize_cache(256 + (64 << 20) // w.get_cache_block_size_bytes())
+    assert e.value.field == "num_gpu_blocks" and w.runner.pool is pool
+    w.initialize_cache(256)  # the same size again fits in the memory the old pool gives back
+    assert w.runner.num_blocks == 256 and w.state == State.CACHE_READY

@@ -157,3 +157,20 @@ def test_generate_reports_a_failed_preload_instead_of_waiting(home: str, tmp_pat
         out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "hello"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "preload failed" in out.stderr and "model" in out.stderr, out.stderr
+
+
+def test_preload_sizes_the_pool_from_available_memory_not_the_machines_total(home: str, monkeypatch,
+                                                                          tmp_path) -> None:
+    from sidecar import memory
+
+    # Default limits (64 sequences of the model's full length): more than the fake machine can give.
+    w = MLXWorker(Config(model="builtin:tiny", home=home, max_num_batched_tokens=64))
+    avail = 48 << 20
+    (tmp_path / "meminfo").write_text(f"MemAvailable: {avail // 1024} kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(memory, "CGROUP", tmp_path)
+    preload(w)
+    assert w.state.value == "ready"
+    want = -(-w.runner.max_model_len // w.config.block_size) * w.config.max_num_seqs
+    assert 0 < w.runner.num_blocks < want  # the budget bound it, not the limits
+    assert w.runner.pool.nbytes <= avail
