@@ -104,10 +104,12 @@ def check_pool_fits(num_blocks: int, block_bytes: int, held_pool_bytes: int, act
     return need
 
 
-def kv_bytes_free(budget: int, fraction: float, weights: int, activation_peak: int, grown: int, held_pool: int) -> int:
-    """determine_available_memory's arithmetic: the fraction of the budget, less the weights, the
-    activation peak and what the profile run left allocated; an existing pool is reusable."""
-    return int(budget * fraction) - weights - activation_peak - grown + held_pool
+def kv_bytes_free(fraction: float, held_pool_bytes: int, activation_peak_bytes: int) -> int:
+    """determine_available_memory's arithmetic: the fraction of the budget, less everything the
+    process holds outside the pool (weights, what the profile run left, ...) and the activation
+    peak. An existing pool is reusable. Within check_pool_fits's room whenever fraction <= 1."""
+    others = max(0, mx.get_active_memory() - held_pool_bytes)
+    return int(memory_budget_bytes() * fraction) - others - activation_peak_bytes
 
 
 def profile_run(runner: Any, cfg: Any) -> float:

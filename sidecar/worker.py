@@ -190,11 +190,9 @@ class MLXWorker(StateMachine):
         profile_run(self.runner, self.config)
         self.activation_peak_bytes = max(0, mx.get_peak_memory() - before)
         mx.clear_cache()
-        free = kv_bytes_free(memory_budget_bytes(), fraction, self.weights_bytes, self.activation_peak_bytes,
-                             mx.get_active_memory() - before, self._pool_bytes())
+        free = kv_bytes_free(fraction, self._pool_bytes(), self.activation_peak_bytes)
         draft = getattr(self.runner.proposer, "runner", None)
-        if draft is not None:  # the draft model's weights, and a draft block for every block of ours
-            free -= weights_bytes(draft.model)
+        if draft is not None:  # a draft block for every block of ours (its weights are held: counted)
             ours, theirs = self.get_cache_block_size_bytes(), sum(s.page_size_bytes for s in draft.specs)
             free = free * ours // (ours + theirs)
         log.info("determine_available_memory: %d bytes (weights %d, activation peak %d)",
