@@ -169,7 +169,7 @@ class MLXWorker(StateMachine):
     def determine_available_memory(self, kv_cache_memory_bytes: int | None = None,
                                    gpu_memory_utilization: float | None = None) -> int:
         """Bytes for the KV pool. v2: vLLM's `kv_cache_memory_bytes` is taken as is (checked
-        against the device), `gpu_memory_utilization` overrides the configured fraction."""
+        against the memory budget), `gpu_memory_utilization` overrides the configured fraction."""
         assert self.runner is not None
         if kv_cache_memory_bytes is not None:
             check(kv_cache_memory_bytes, int, "kv_cache_memory_bytes")
