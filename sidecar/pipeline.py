@@ -7,9 +7,8 @@ standard library's client refuses a second request before the first response is 
 is a minimal client of its own: Content-Length bodies only (all the server sends).
 
 `connections=2` sends calls alternately over two standard-library connections instead, each
-execute_model numbered (`step_id`, from 1, after an unnumbered empty step ends any numbering the
-server held): the server hands numbered steps to its MLX thread in step
-order (server/sequencer.py), and it reads step n + 1 while step n computes. No MLX.
+execute_model numbered (`step_id`; two empty steps, waited for, start the numbering): the server
+hands numbered steps to its MLX thread in step order (server/sequencer.py), and it reads step n + 1 while step n computes. No MLX.
 """
 
 from __future__ import annotations
@@ -49,11 +48,14 @@ class Pipeline:
             if token:
                 self._headers["authorization"] = f"Bearer {token}"
             self._sent = 0
-            self.next_step_id = 1
-            # An unnumbered empty step ends whatever numbering the server's step ledger holds, so
-            # this one may start at 1 (steps.py).
+            # An unnumbered empty step ends whatever numbering the server's step ledger holds (steps.py);
+            # a numbered empty step 1, waited for, starts ours, so the server knows which step comes next
+            # before two are in flight (the first two could otherwise arrive swapped).
             self.submit("execute_model", scheduler_output=EMPTY_STEP)
             self.collect()
+            self.submit("execute_model", scheduler_output=EMPTY_STEP, step_id=1)
+            self.collect()
+            self.next_step_id = 2
             return
         if u.scheme == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -69,7 +71,7 @@ class Pipeline:
         self._buf = bytearray()
 
     def submit(self, method: str, **kwargs: Any) -> None:
-        if method == "execute_model" and self.next_step_id is not None and kwargs.get("scheduler_output") is not EMPTY_STEP:
+        if method == "execute_model" and self.next_step_id is not None and "step_id" not in kwargs:
             kwargs["step_id"] = self.next_step_id
             self.next_step_id += 1
         body = msgpack.packb(kwargs, use_bin_type=True)
