@@ -57,6 +57,13 @@ def machine_info() -> dict[str, Any]:
             except (OSError, subprocess.SubprocessError):
                 pass
     info["backend"] = "gpu" if info["metal"] or info["cuda"] else "cpu"
+    # The BLAS MLX's CPU backend multiplies with: the mlx[cpu] wheel bundles netlib's reference
+    # BLAS, whose matmul cost grows with every row (README: "Speculative decoding and the CPU BLAS").
+    try:
+        with open("/proc/self/maps") as f:
+            info["blas_libraries"] = sorted({ln.split()[-1] for ln in f if "blas" in ln.rsplit("/", 1)[-1]})
+    except OSError:
+        pass
     return info
 
 
