@@ -65,3 +65,21 @@ def test_presets_and_table_without_results(monkeypatch: pytest.MonkeyPatch) -> N
     assert quick().model == "builtin:small" and tiny().model == "builtin:tiny"
     text = table({})  # every figure missing: shown as n/a, never a crash
     assert text.count("n/a") >= len([g for g in GOALS if g.op])
+
+
+def test_machine_info_names_the_blas_mlx_multiplies_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import mlx.core as mx
+
+    from sidecar.bench import machine_info
+
+    mx.eval(mx.ones((2, 3)) @ mx.ones((3, 2)))
+    monkeypatch.setenv("LD_PRELOAD", "/nonexistent/libopenblas.so.0")
+    info = machine_info()
+    assert info["ld_preload"] == "/nonexistent/libopenblas.so.0"
+    if sys.platform == "linux" and not mx.metal.is_available():
+        assert any("mlx" in p and "blas" in p for p in info["blas_libraries"]), info["blas_libraries"]
+        assert not any("numpy.libs" in p for p in info["blas_libraries"])  # numpy's own BLAS is not MLX's
+    monkeypatch.delenv("LD_PRELOAD")
+    assert machine_info()["ld_preload"] is None
