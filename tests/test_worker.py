@@ -166,3 +166,21 @@ def test_profile_writes_a_real_profile(make_worker) -> None:
     path = w.profile(is_start=False)
     names = {fn for (_, _, fn) in pstats.Stats(path).stats}  # type: ignore[attr-defined]
     assert "execute_model" in names and "_forward" in names
+
+
+def test_init_device_sets_and_unsets_the_ngram_proposer(home: str) -> None:
+    # what the vLLM worker class sends for vLLM's speculative_config (sidecar/vllm/convert.py)
+    from sidecar.runner.proposers import NgramProposer
+
+    w = MLXWorker(Config(home=home, speculative_method="ngram", num_speculative_tokens=5))
+    w.init_device(config={"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                          "prompt_lookup_max": 3})
+    w.load_model()
+    p = w.runner.proposer
+    assert isinstance(p, NgramProposer) and (p.k, p.n_min, p.n_max) == (2, 1, 3)
+    with pytest.raises(ProtocolError) as e:  # a draft model is the operator's: nothing changes
+        w.init_device(config={"speculative_method": "draft_model"}, reset=True)
+    assert e.value.field == "config.draft_model" and w.runner.proposer is p
+    w.init_device(config={"speculative_method": "none"}, reset=True)
+    w.load_model()
+    assert w.runner.proposer is None
