@@ -102,12 +102,11 @@ def speculative_config(sc: Any) -> dict:
     drafts (vLLM's proposers run in its GPU model runner, which this worker class replaces)."""
     if sc is None:
         return {"speculative_method": "none"}  # vLLM would never take the drafts: propose none
-    k = {"num_speculative_tokens": int(sc.num_speculative_tokens)}
     if sc.method == "ngram":
-        return {"speculative_method": "ngram", **k, "prompt_lookup_min": int(sc.prompt_lookup_min),
-                "prompt_lookup_max": int(sc.prompt_lookup_max)}
+        return {"speculative_method": "ngram", "num_speculative_tokens": int(sc.num_speculative_tokens),
+                "prompt_lookup_min": int(sc.prompt_lookup_min), "prompt_lookup_max": int(sc.prompt_lookup_max)}
     if sc.method == "draft_model":  # the sidecar's own --draft-model runs; vLLM's `model` is only validated there
-        return {"speculative_method": "draft_model", **k}
+        return {"speculative_method": "draft_model", "num_speculative_tokens": int(sc.num_speculative_tokens)}
     raise Unsupported(f"speculative_config method {sc.method!r} is not supported through the MLX sidecar: "
                       'use method "ngram", or "draft_model" with the sidecar started with --draft-model '
                       "(the sidecar proposes the drafts itself)")
