@@ -81,8 +81,8 @@ class KVPool:
             within = np.arange(bs)
             src = mx.array(np.concatenate([c[0] * bs + within for c in copies]).astype(np.int32))
             dst = mx.array(np.concatenate([c[1] * bs + within for c in copies]).astype(np.int32))
-            for a in (self.keys[i], self.values[i]):
-                a[dst] = a[src]
+            for a in (self.keys[i], self.values[i]):  # head-major [1, H, slots, D]
+                a[:, :, dst] = a[:, :, src]
 
 
 @dataclass
