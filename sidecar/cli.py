@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ngram: speculative decoding with prompt-lookup drafts (the worker's proposer when the "
                           "server runs one, else proposed here); the output is the same, in fewer steps")
     gen.add_argument("--num-speculative-tokens", type=int, default=3)
+    gen.add_argument("--pipeline", type=int, choices=[0, 1, 2], default=0,
+                     help="two steps in flight (docs/protocol.md, pipelined steps) over 1 pipelined connection "
+                          "or 2 connections; 0: one step at a time. Not with --speculative")
 
     md = sub.add_parser("model-dir", help="print (or write with --dest) the model directory vLLM needs locally")
     md.add_argument("model", nargs="?", default="builtin:tiny")

@@ -44,6 +44,7 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     # Goals whose figure this profile does not measure (the 4k/16k contexts) show n/a.
     assert out.count("PASS") + out.count("FAIL") == sum(1 for g in GOALS if g.op and doc.get(g.key) is not None)
     assert doc["tiny_single_stream_tokens_match"] == 1.0
+    assert doc["tiny_single_stream_pipelined_tokens_match"] == doc["tiny_single_stream_pipelined_2conn_tokens_match"] == 1.0
     curve = doc["long_ctx_curve"]
     assert curve["context"] == [64, 200]  # the tiny profile's contexts
     for n in curve["context"]:
@@ -64,3 +65,21 @@ def test_presets_and_table_without_results(monkeypatch: pytest.MonkeyPatch) -> N
     assert quick().model == "builtin:small" and tiny().model == "builtin:tiny"
     text = table({})  # every figure missing: shown as n/a, never a crash
     assert text.count("n/a") >= len([g for g in GOALS if g.op])
+
+
+def test_machine_info_names_the_blas_mlx_multiplies_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import mlx.core as mx
+
+    from sidecar.bench import machine_info
+
+    mx.eval(mx.ones((2, 3)) @ mx.ones((3, 2)))
+    monkeypatch.setenv("LD_PRELOAD", "/nonexistent/libopenblas.so.0")
+    info = machine_info()
+    assert info["ld_preload"] == "/nonexistent/libopenblas.so.0"
+    if sys.platform == "linux" and not mx.metal.is_available():
+        assert any("mlx" in p and "blas" in p for p in info["blas_libraries"]), info["blas_libraries"]
+        assert not any("numpy.libs" in p for p in info["blas_libraries"])  # numpy's own BLAS is not MLX's
+    monkeypatch.delenv("LD_PRELOAD")
+    assert machine_info()["ld_preload"] is None

@@ -57,6 +57,16 @@ def machine_info() -> dict[str, Any]:
             except (OSError, subprocess.SubprocessError):
                 pass
     info["backend"] = "gpu" if info["metal"] or info["cuda"] else "cpu"
+    # The BLAS MLX's CPU backend multiplies with: the mlx[cpu] wheel bundles netlib's reference
+    # BLAS, whose matmul cost grows with every row; a preloaded one takes its place (README:
+    # "Speculative decoding and the CPU BLAS"). numpy's own OpenBLAS (numpy.libs) is not MLX's.
+    info["ld_preload"] = os.environ.get("LD_PRELOAD") or None
+    try:
+        with open("/proc/self/maps") as f:
+            info["blas_libraries"] = sorted({ln.split()[-1] for ln in f if "blas" in ln.rsplit("/", 1)[-1]
+                                             and "numpy.libs" not in ln})
+    except OSError:
+        pass
     return info
 
 

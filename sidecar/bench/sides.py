@@ -25,7 +25,9 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from sidecar.client import RemoteWorker
+from sidecar.pipeline import Pipeline
 from sidecar.scheduler import Event, Request, Scheduler, run
+from sidecar.scheduler.pipelined import run_pipelined
 
 perf = time.perf_counter
 _ids = itertools.count()
@@ -204,6 +206,7 @@ class SidecarSide:
         self.block_size = 16
         self.eos: list[int] = []
         self.bring_up_s: dict[str, float] = {}
+        self._pipe: Pipeline | None = None
         self._bring_up(num_blocks)
 
     def _bring_up(self, num_blocks: int) -> None:
@@ -233,7 +236,7 @@ class SidecarSide:
 
     def run(self, requests: list[Request], *, tag: str, max_num_seqs: int | None = None,
             on_event: Callable[[Event, float], None] | None = None, scheduler: Scheduler | None = None,
-            probe: bool = False, take_drafts: bool = False) -> tuple[RunResult, Scheduler]:
+            probe: bool = False, take_drafts: bool = False, pipelined: int = 0) -> tuple[RunResult, Scheduler]:
         sched = scheduler or Scheduler(
             num_blocks=self.num_blocks, block_size=self.block_size, max_num_seqs=max_num_seqs or self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, eos_token_ids=self.eos)
@@ -255,14 +258,29 @@ class SidecarSide:
                 on_event(e, now)
 
         try:
-            run(sched, self.worker.step, on_event=event,
-                take_draft_token_ids=self.worker.take_draft_token_ids if take_drafts else None)
+            if pipelined:  # two steps in flight over `pipelined` connections (no per-step records)
+                pipe = self.pipeline(pipelined)
+                run_pipelined(sched, lambda so: pipe.submit("execute_model", scheduler_output=so), pipe.collect,
+                              on_event=event)
+            else:
+                run(sched, self.worker.step, on_event=event,
+                    take_draft_token_ids=self.worker.take_draft_token_ids if take_drafts else None)
         finally:
             self.worker.probe = False
         return RunResult(perf() - t0, tokens, first, times), sched
 
+    def pipeline(self, connections: int) -> Pipeline:
+        if self._pipe is None or len(self._pipe._conns) != (connections if connections == 2 else 0):
+            if self._pipe is not None:
+                self._pipe.close()
+            self._pipe = Pipeline(self.server.url, connections=connections)
+        return self._pipe
+
     def close(self) -> None:
         self.worker.close()
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
 
 
 def requests_for(prompts: list[list[int]], new_tokens: int | list[int], sampling: list[dict] | dict | None = None,

@@ -10,6 +10,9 @@
   each sees the same block tables (reusing one scheduler instead would leave the previous
   repeat's generated blocks cached right behind the prompt's, and the tail lands elsewhere).
 
+The tiny stream is also run with two steps in flight (`*_pipelined_*`: one pipelined connection;
+`*_pipelined_2conn_*`: two connections).
+
 Both report `decode_rate` (prefill excluded) ratios of back-to-back pairs, sides alternating,
 and the CPU each side burns per generated token (`*_cpu_ratio` = mlx-lm's / the sidecar's, the
 sidecar counted as server process + the bench process driving it): on a shared machine the wall
@@ -81,6 +84,18 @@ def tiny_single_stream(b: Bench, pair_for: PairFor) -> None:
     if server:
         b.results["tiny_single_stream_step_server_ms"] = median(server)
     b.raw["tiny_single_stream_pair_ratios"] = got["pair_ratios"]
+    # The same with two steps in flight (placeholders, docs/protocol.md "Pipelined steps"), over
+    # one pipelined connection and over two.
+    for conns in (1, 2):
+        sidecar.run(requests_for([prompt], 4), tag="warmup", pipelined=conns)
+        piped = _pairs(b, f"tiny_single_stream pipelined x{conns}", p.tiny_repeats, sidecar,
+                       lambda: sidecar.run(requests_for([prompt], p.tiny_new_tokens), tag="tiny_piped",
+                                           pipelined=conns)[0],
+                       lambda: mlx.single(prompt, p.tiny_new_tokens), p.tiny_new_tokens)
+        key = f"tiny_single_stream_pipelined{'' if conns == 1 else '_2conn'}"
+        b.results.update({f"{key}_ratio": piped["ratio"], f"{key}_sidecar_tok_s": piped["sidecar_tok_s"],
+                          f"{key}_tokens_match": piped["tokens_match"], f"{key}_cpu_ratio": piped["cpu_ratio"]})
+        b.raw[f"{key}_pair_ratios"] = piped["pair_ratios"]
 
 
 def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int) -> Callable[[int], RunResult]:

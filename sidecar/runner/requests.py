@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from sidecar.errors import ProtocolError
 from sidecar.protocol import SchedulerOutput
+from sidecar.runner.placeholders import PLACEHOLDER, check_placeholder
 from sidecar.runner.spec_decode import check_drafts, check_no_stray_drafts
 from sidecar.sampling_params import SamplingParams
 
@@ -204,6 +205,8 @@ def plan_step(
             if toks[: len(state.prompt_token_ids)] != state.prompt_token_ids:
                 raise ProtocolError("all_token_ids must start with the prompt", field=f"{path}.all_token_ids.{rid}")
             outputs = toks[len(state.prompt_token_ids):]
+        elif cached.new_token_ids[i] == PLACEHOLDER:
+            check_placeholder(state, start, f"{path}.new_token_ids[{i}]")
         elif cached.new_token_ids[i]:
             known = state.tokens(0, state.num_tokens)[:start] + cached.new_token_ids[i]
             if len(known) < len(state.prompt_token_ids):

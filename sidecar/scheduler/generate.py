@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sidecar.client import RemoteError, RemoteWorker
+from sidecar.pipeline import Pipeline
 from sidecar.scheduler.chat import prompt_ids
+from sidecar.scheduler.pipelined import run_pipelined
 from sidecar.scheduler.scheduler import Event, Request, Scheduler, prefix_caching_offered, run
 
 
@@ -105,8 +107,16 @@ def generate_cli(args: argparse.Namespace) -> int:
         prompt = prompt_ids(tok, args.model or model["path"], args.prompt, getattr(args, "chat", None))
         sched.add_request(Request("generate-0", prompt, sampling, max_tokens=args.max_tokens))
         printer = StreamPrinter(lambda ids: tok.decode(ids, skip_special_tokens=True))
-        run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer,
-            take_draft_token_ids=draft_source(args, info, worker, sched))
+        if getattr(args, "pipeline", 0) and args.speculative == "none":
+            pipe = Pipeline(args.url, token=token, connections=args.pipeline)
+            try:
+                run_pipelined(sched, lambda so: pipe.submit("execute_model", scheduler_output=so), pipe.collect,
+                              on_event=printer)
+            finally:
+                pipe.close()
+        else:
+            run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer,
+                take_draft_token_ids=draft_source(args, info, worker, sched))
         sys.stdout.write("\n")
         if args.speculative != "none":
             rate = sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0

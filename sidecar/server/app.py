@@ -45,6 +45,7 @@ from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
 from sidecar.server.startup import Startup, preload, progress_reporter
+from sidecar.server.sequencer import StepSequencer
 from sidecar.steps import StepLedger, fingerprint
 from sidecar.worker import MLXWorker, State
 
@@ -70,6 +71,7 @@ class Sidecar:
     startup: Startup = field(default_factory=Startup)  # the preload's running stage, if any
     instance: Instance = field(default_factory=Instance)
     steps: StepLedger = field(default_factory=StepLedger)
+    sequencer: StepSequencer = field(default_factory=StepSequencer)  # two steps in flight over two connections
     _dropped_queued: bool = False
 
     def publish(self) -> None:
@@ -153,8 +155,12 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 kwargs = await asyncio.to_thread(decode_body, body, in_type)
             else:
                 kwargs = decode_body(body, in_type)
+            step_id = kwargs.get("step_id") if method == "execute_model" else None
             call = bind_kwargs(sc.worker, method, kwargs, sc.steps, fingerprint(method, body, kwargs))
             timing: list[float] = []
+            if step_id is not None:
+                await sc.sequencer.turn(step_id)
+                sc.sequencer.handed(step_id)  # no await until the call is queued: the order holds
             result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout)
             payload: Any = {"result": result}
             # The time the call spent on the MLX thread, so clients can see the transport's share.

@@ -27,6 +27,11 @@ def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> Non
         again = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12",
                                 "--temperature", "1.0", "--seed", "5", "--no-chat", prompt], capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and again.stdout != out.stdout
+        for conns in ("1", "2"):  # two steps in flight: the same greedy text
+            piped = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12",
+                                    "--pipeline", conns, "--no-chat", prompt], capture_output=True, text=True, timeout=120)
+            assert piped.returncode == 0, piped.stderr
+            assert piped.stdout == out.stdout
 
 
 def test_generate_answers_a_question_with_the_real_model_and_its_chat_template(home: str) -> None:
