@@ -151,6 +151,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 RUNTIME_OVERRIDES = frozenset({
     "kv_dtype", "max_model_len", "seed", "device", "gpu_memory_utilization", "block_size", "max_num_seqs",
     "max_num_batched_tokens", "max_logprobs", "decode_ahead", "kv_cache_memory_bytes",
+    # vLLM's speculative_config (ngram) drives the proposer through the worker class; a draft model is a path: not here
+    "speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
 })
 
 

@@ -61,3 +61,18 @@ def test_init_device_overrides_are_an_allow_list() -> None:
                                     "host", "port", "allow_insecure", "protect_metrics", "max_req_id_len"}
     with pytest.raises(ConfigError, match="must be integer, got float 2.0"):
         base.override({"block_size": 2.0})
+
+
+def test_init_device_may_set_the_ngram_proposer_but_not_a_draft_model_path() -> None:
+    # vLLM's speculative_config reaches the sidecar this way (sidecar/vllm/convert.py)
+    cfg = Config().override({"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                             "prompt_lookup_max": 3})
+    assert (cfg.spec_method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 1, 3)
+    assert cfg.override({"speculative_method": "none"}).spec_method == "none"
+    with pytest.raises(ConfigError) as e:
+        Config().override({"draft_model": "builtin:tiny"})
+    assert e.value.key == "draft_model" and "cannot be set by init_device" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # draft_model needs the operator's --draft-model
+        Config().override({"speculative_method": "draft_model"})
+    assert e.value.key == "draft_model"
+    assert Config(draft_model="builtin:tiny").override({"speculative_method": "draft_model"}).spec_method == "draft_model"

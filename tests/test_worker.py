@@ -197,3 +197,21 @@ def test_initialize_cache_budget_counts_the_pool_it_replaces(make_worker, monkey
     assert e.value.field == "num_gpu_blocks" and w.runner.pool is pool
     w.initialize_cache(256)  # the same size again fits in the memory the old pool gives back
     assert w.runner.num_blocks == 256 and w.state == State.CACHE_READY
+
+
+def test_init_device_sets_and_unsets_the_ngram_proposer(home: str) -> None:
+    # what the vLLM worker class sends for vLLM's speculative_config (sidecar/vllm/convert.py)
+    from sidecar.runner.proposers import NgramProposer
+
+    w = MLXWorker(Config(home=home, speculative_method="ngram", num_speculative_tokens=5))
+    w.init_device(config={"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                          "prompt_lookup_max": 3})
+    w.load_model()
+    p = w.runner.proposer
+    assert isinstance(p, NgramProposer) and (p.k, p.n_min, p.n_max) == (2, 1, 3)
+    with pytest.raises(ProtocolError) as e:  # a draft model is the operator's: nothing changes
+        w.init_device(config={"speculative_method": "draft_model"}, reset=True)
+    assert e.value.field == "config.draft_model" and w.runner.proposer is p
+    w.init_device(config={"speculative_method": "none"}, reset=True)
+    w.load_model()
+    assert w.runner.proposer is None

@@ -65,14 +65,51 @@ def scheduler_output(so: SchedulerOutput) -> dict:
         "num_computed_tokens": list(c.num_computed_tokens), "num_output_tokens": list(c.num_output_tokens),
         "all_token_ids": {k: list(v) for k, v in (c.all_token_ids or {}).items()},
     }
+    spec, num_scheduled, total = spec_decode_tokens(so)
     return {
         "scheduled_new_reqs": new, "scheduled_cached_reqs": cached,
-        "num_scheduled_tokens": dict(so.num_scheduled_tokens),
-        "total_num_scheduled_tokens": so.total_num_scheduled_tokens,
+        "num_scheduled_tokens": num_scheduled, "total_num_scheduled_tokens": total,
         "finished_req_ids": sorted(so.finished_req_ids), "preempted_req_ids": sorted(so.preempted_req_ids or ()),
-        "scheduled_spec_decode_tokens": {k: list(v) for k, v in so.scheduled_spec_decode_tokens.items()},
+        "scheduled_spec_decode_tokens": spec,
         "kv_cache_block_copies": [[int(s), int(d)] for s, d in (so.kv_cache_block_copies or ())],
     }
+
+
+def spec_decode_tokens(so: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, int], int]:
+    """Drafts, per-request and total scheduled counts, without vLLM's -1 placeholders.
+
+    vLLM pads a decode request that has no drafts to 1 + k positions of -1 drafts (uniform shapes
+    for CUDA graphs) and drafts the grammar rejects become -1; no real draft follows a -1. The
+    sidecar computes only the real positions: its one sampled token is what vLLM's rejection of
+    every placeholder expects (vLLM rolls num_computed_tokens back by the rejected count)."""
+    spec: dict[str, list[int]] = {}
+    num_scheduled = dict(so.num_scheduled_tokens)
+    total = so.total_num_scheduled_tokens
+    for rid, drafts in so.scheduled_spec_decode_tokens.items():
+        drafts = list(drafts)
+        real = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
+        dropped = len(drafts) - real
+        if dropped and rid in num_scheduled:
+            num_scheduled[rid] -= dropped
+            total -= dropped
+        if real:
+            spec[rid] = drafts[:real]
+    return spec, num_scheduled, total
+
+
+def speculative_config(sc: Any) -> dict:
+    """init_device overrides for vLLM's speculative_config: the sidecar's own proposer makes the
+    drafts (vLLM's proposers run in its GPU model runner, which this worker class replaces)."""
+    if sc is None:
+        return {"speculative_method": "none"}  # vLLM would never take the drafts: propose none
+    if sc.method == "ngram":
+        return {"speculative_method": "ngram", "num_speculative_tokens": int(sc.num_speculative_tokens),
+                "prompt_lookup_min": int(sc.prompt_lookup_min), "prompt_lookup_max": int(sc.prompt_lookup_max)}
+    if sc.method == "draft_model":  # the sidecar's own --draft-model runs; vLLM's `model` is only validated there
+        return {"speculative_method": "draft_model", "num_speculative_tokens": int(sc.num_speculative_tokens)}
+    raise Unsupported(f"speculative_config method {sc.method!r} is not supported through the MLX sidecar: "
+                      'use method "ngram", or "draft_model" with the sidecar started with --draft-model '
+                      "(the sidecar proposes the drafts itself)")
 
 
 def grammar_output(g: GrammarOutput | None) -> dict | None:

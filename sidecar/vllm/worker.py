@@ -6,6 +6,11 @@ Where the sidecar is (the normal case: another host, e.g. a Mac) comes from vLLM
 `--additional-config '{"mlx_sidecar": {"url": ..., "auth_token": ...}}'` or the environment
 (`MLX_SIDECAR_URL`, `MLX_SIDECAR_AUTH_TOKEN`); default `http://127.0.0.1:8000`.
 
+Speculative decoding: vLLM's `speculative_config` (method "ngram", or "draft_model" with the
+sidecar's own --draft-model) configures the sidecar's proposer through init_device; the sidecar
+proposes after each step, vLLM's EngineCore takes the drafts with `take_draft_token_ids` and its
+scheduler sends them back to be verified there.
+
 A step without structured outputs is one round trip (`execute_model` returns the output, which
 vLLM's EngineCore accepts as is); with them, `execute_model(defer_sampling=True)` starts the
 forward and returns None, vLLM computes the grammar bitmask meanwhile and `sample_tokens` sends it.
@@ -78,7 +83,15 @@ class MLXSidecarWorker(WorkerBase):
                   "max_num_batched_tokens": sc.max_num_batched_tokens, "max_logprobs": mc.max_logprobs}
         if mc.seed is not None:
             config["seed"] = mc.seed
-        self._call("init_device", config=config, reset=True)  # from any state: a restarted vLLM starts over
+        config.update(convert.speculative_config(self.vllm_config.speculative_config))
+        try:
+            self._call("init_device", config=config, reset=True)  # from any state: a restarted vLLM starts over
+        except RemoteError as e:
+            if e.field == "config.draft_model":
+                raise Unsupported('speculative_config method "draft_model" runs the sidecar\'s own draft model, '
+                                  "and this sidecar has none: start it with --draft-model (builtin:<name> or an "
+                                  "mlx-lm directory with the model's tokenizer)") from e
+            raise
         self._loras.clear()
         log.info("MLX sidecar at %s initialised (%s)", self.remote.url, config)
 

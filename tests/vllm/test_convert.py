@@ -81,3 +81,35 @@ def test_settings_come_from_additional_config_then_env(monkeypatch: pytest.Monke
     assert sidecar_settings({"mlx_sidecar": {"auth_token": "cfg"}})["token"] == "cfg"
     with pytest.raises(convert.Unsupported, match="unknown"):
         sidecar_settings({"mlx_sidecar": {"ur1": "x"}})
+
+
+def test_vllms_placeholder_drafts_are_not_sent_and_not_counted() -> None:
+    step = _vllm_step()
+    # vLLM pads a draftless decode to 1 + k positions of -1; "b" has one real draft, then the padding.
+    step.scheduled_spec_decode_tokens = {"b": [11, -1, -1]}
+    step.num_scheduled_tokens = {"a": 4, "b": 4}
+    step.total_num_scheduled_tokens = 8
+    wire = convert.scheduler_output(step)
+    assert wire["scheduled_spec_decode_tokens"] == {"b": [11]}
+    assert wire["num_scheduled_tokens"] == {"a": 4, "b": 2} and wire["total_num_scheduled_tokens"] == 6
+    step.scheduled_spec_decode_tokens = {"b": [-1, -1, -1]}
+    wire = convert.scheduler_output(step)
+    assert wire["scheduled_spec_decode_tokens"] == {} and wire["num_scheduled_tokens"]["b"] == 1
+    WireSchedulerOutput.from_wire(wire, vocab_size=512, max_logprobs=20)
+    step.scheduled_spec_decode_tokens = {"b": [11, 12]}  # real drafts pass unchanged (the control)
+    step.num_scheduled_tokens = {"a": 4, "b": 3}
+    assert convert.scheduler_output(step)["num_scheduled_tokens"]["b"] == 3
+
+
+def test_speculative_config_becomes_init_device_overrides_or_a_named_refusal() -> None:
+    from types import SimpleNamespace
+
+    assert convert.speculative_config(None) == {"speculative_method": "none"}
+    ngram = SimpleNamespace(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3)
+    assert convert.speculative_config(ngram) == {"speculative_method": "ngram", "num_speculative_tokens": 2,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    draft = SimpleNamespace(method="draft_model", num_speculative_tokens=4, model="/vllm/side/dir")
+    assert convert.speculative_config(draft) == {"speculative_method": "draft_model", "num_speculative_tokens": 4}
+    for method in ("eagle", "suffix", "mtp"):
+        with pytest.raises(convert.Unsupported, match=f"method '{method}' is not supported through the MLX sidecar"):
+            convert.speculative_config(SimpleNamespace(method=method))
