@@ -34,13 +34,17 @@ from sidecar.worker import MLXWorker, State
 log = logging.getLogger("sidecar.distributed")
 
 
-class LeaderSampler:
+class _GroupSampler:
+    """The rank's own sampler for everything but `sample`, which goes through the group channel."""
+
     def __init__(self, inner: Sampler, channel: Channel):
         self.inner, self.channel = inner, channel
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+
+class LeaderSampler(_GroupSampler):
     def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampleResult:
         mx.eval(logits)
         res = self.inner.sample(logits, rows)
@@ -48,13 +52,7 @@ class LeaderSampler:
         return res
 
 
-class FollowerSampler:
-    def __init__(self, inner: Sampler, channel: Channel):
-        self.inner, self.channel = inner, channel
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
+class FollowerSampler(_GroupSampler):
     def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampleResult:
         mx.eval(logits)
         tokens = self.channel.share_tokens(None, len(rows))
