@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", default="bench-results/bench.json")
     bench.add_argument("--plot", dest="plot_path", default="bench-results/throughput.png")
     bench.add_argument("--home", default=None)
+    bench.add_argument("--only", default=None, metavar="STAGES",
+                       help='a comma-separated subset of the stages, e.g. "tiny single stream,long context"')
     bench.add_argument("--scale-out", action="store_true",
                        help="only the scale-out scenario: 1 rank vs TP=2 / PP=2 over loopback")
     return parser

@@ -83,3 +83,13 @@ def test_machine_info_names_the_blas_mlx_multiplies_with(monkeypatch: pytest.Mon
         assert not any("numpy.libs" in p for p in info["blas_libraries"])  # numpy's own BLAS is not MLX's
     monkeypatch.delenv("LD_PRELOAD")
     assert machine_info()["ld_preload"] is None
+
+
+def test_only_names_a_subset_of_the_stages_and_refuses_unknown_ones():
+    from sidecar.bench import STAGES, _only
+
+    assert _only(None) is None and _only("") is None
+    assert _only("tiny single stream, long context") == frozenset({"tiny single stream", "long context"})
+    assert set(STAGES) >= {"tiny single stream", "long context", "speculative"}
+    with pytest.raises(ValueError, match="'nope'"):
+        _only("long context,nope")

@@ -119,8 +119,14 @@ class _LivePids:
         return iter([s.proc.pid for s in self.servers if s.proc is not None and s.proc.poll() is None])
 
 
-def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every scenario; returns the JSON document (flat figures at the top level)."""
+STAGES = ("single_stream", "rpc batch 1", "batch", "sweep", "sampling", "prefix", "rpc overhead", "pool_size",
+          "tiny single stream", "long context", "speculative", "vllm engine")
+
+
+def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
+              only: frozenset[str] | None = None) -> dict[str, Any]:
+    """Run every scenario (or those in `only`, names from STAGES); returns the JSON document
+    (flat figures at the top level)."""
     from sidecar.models import resolve_model
 
     t_start = time.perf_counter()
@@ -185,6 +191,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None) 
             ("speculative", lambda: spec.speculative(b, make_side)),
             ("vllm engine", lambda: vllm_engine(b, make_side)),
         ]
+        assert [n for n, _ in stages] == list(STAGES)
+        stages = [(n, fn) for n, fn in stages if only is None or n in only]
         timings: dict[str, float] = {}
         meter = CpuMeter(_LivePids(servers))
         for name, fn in stages:
@@ -254,14 +262,26 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _only(arg: str | None) -> frozenset[str] | None:
+    """`--only "tiny single stream,long context"`: a comma-separated subset of STAGES."""
+    if not arg:
+        return None
+    names = frozenset(n.strip() for n in arg.split(",") if n.strip())
+    unknown = sorted(names - set(STAGES))
+    if unknown:
+        raise ValueError(f"--only: unknown stage(s) {', '.join(map(repr, unknown))}; stages: {', '.join(STAGES)}")
+    return names
+
+
 def bench_cli(args: argparse.Namespace) -> int:
     try:
         params = from_cli(bool(getattr(args, "quick", False)), model=args.model, home=getattr(args, "home", None))
+        only = _only(getattr(args, "only", None))
     except ValueError as e:
         print(f"mlx-sidecar bench: {e}", file=sys.stderr)
         return 2
     try:
-        doc = run_bench(params)
+        doc = run_bench(params, only=only)
     except KeyboardInterrupt:
         print("mlx-sidecar bench: interrupted", file=sys.stderr)
         return 130
