@@ -39,6 +39,7 @@ from sidecar.server.httpio import media_type as _media_type
 from sidecar.server.httpio import read_body as _read_body
 from sidecar.server.httpio import request_id as _request_id
 from sidecar.server.httpio import wants_msgpack as _wants_msgpack
+from sidecar.server.lean import LeanApp
 from sidecar.server.instance import EXPECT_HEADER, Instance, InstanceHeader
 from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_token
 from sidecar.server.logs import add_secret, configure_logging
@@ -122,7 +123,9 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             sc.begin_drain()
             await _drain(sc)
 
-    async def rpc(request: Request) -> Response:
+    async def rpc_reply(request: Any) -> tuple[int, dict[str, str], bytes, str]:
+        """One RPC: (status, headers, body, media type). `request` is Starlette's Request or the
+        lean path's (server/lean.py): headers, method, path_params, stream()."""
         t0 = time.perf_counter()
         rid = _request_id(request.headers.get("x-request-id"))
         method = request.path_params["method"]
@@ -199,8 +202,11 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             if error_type is not None:
                 extra["error"] = error_type
             log.log(level, "rpc", extra=extra)
-        return Response(content, status_code=status, headers=headers,
-                        media_type=MSGPACK_TYPES[0] if as_msgpack else JSON_TYPE)
+        return status, headers, content, MSGPACK_TYPES[0] if as_msgpack else JSON_TYPE
+
+    async def rpc(request: Request) -> Response:
+        status, headers, content, media_type = await rpc_reply(request)
+        return Response(content, status_code=status, headers=headers, media_type=media_type)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -251,7 +257,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
         return JSONResponse(exc.to_wire(), status_code=exc.status, headers=headers)
 
-    app = Starlette(
+    app = LeanApp(
+        rpc_reply, sc.instance,
         routes=[
             # Every verb and every name under /rpc/ reaches the handler, so 404s and 405s are
             # counted, logged and answered like any other RPC.
@@ -296,6 +303,15 @@ def _preload(sc: Sidecar) -> None:
         sc.preload_error = f"{type(e).__name__}: {e}"
         sc.metrics.observe_error("preload")
         slog.exception("preload failed")
+
+
+def _http_protocol() -> Any:
+    """uvicorn's httptools protocol with one write per reply (server/coalesce.py), when httptools is there."""
+    try:
+        from sidecar.server.coalesce import GatheringHttpToolsProtocol
+    except ImportError:
+        return "auto"
+    return GatheringHttpToolsProtocol
 
 
 async def exit_when_idle(sc: Sidecar, server: Any) -> None:
@@ -359,7 +375,7 @@ def serve(config: Config, worker: MLXWorker | None = None) -> int:
     sc: Sidecar = app.state.sidecar
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                         timeout_graceful_shutdown=max(0.1, config.shutdown_timeout),  # type: ignore[arg-type]
-                        lifespan="on", log_config=None)
+                        lifespan="on", log_config=None, http=_http_protocol())
 
     class Server(uvicorn.Server):
         exit_requested = False
