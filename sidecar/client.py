@@ -1,7 +1,7 @@
 """RemoteWorker: the MLXWorker interface over HTTP (msgpack), for schedulers written in Python.
 
-Uses one persistent standard-library connection: the lowest per-call overhead we measured, and no
-dependency beyond msgpack. `http://host:port` and `unix:///path/to/socket` URLs are accepted.
+Uses one persistent connection (sidecar/http1.py: one send and one receive per call, the lowest
+per-call overhead we measured), and no dependency beyond msgpack. `http://host:port` and `unix:///path/to/socket` URLs are accepted.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import msgpack
 
 from sidecar.errors import SidecarError
+from sidecar.http1 import Connection
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 
 MSGPACK = "application/msgpack"
@@ -34,6 +35,8 @@ class RemoteError(SidecarError):
 
 
 class UnixConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket (for callers that want the standard library's client)."""
+
     def __init__(self, path: str, timeout: float = 5.0):
         super().__init__("localhost", timeout=timeout)
         self._path = path
@@ -71,20 +74,20 @@ class RemoteWorker:
         self._headers = {"content-type": MSGPACK, "accept": MSGPACK}
         if token:
             self._headers["authorization"] = f"Bearer {token}"
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn: Connection | None = None
         self.last_request_id: str | None = None
         self.last_exec_seconds: float | None = None  # the server's own time for the last call
 
     def __repr__(self) -> str:
         return f"RemoteWorker({self.url!r})"
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> Connection:
         if self._conn is None:
             u = urlparse(self.url)
             if u.scheme == "unix":
-                self._conn = UnixConnection(u.path, self.timeout)
+                self._conn = Connection(timeout=self.timeout, uds=u.path)
             else:
-                self._conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout)
+                self._conn = Connection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout)
         return self._conn
 
     def close(self) -> None:

@@ -13,7 +13,6 @@ hands numbered steps to its MLX thread in step order (server/sequencer.py), and 
 
 from __future__ import annotations
 
-import http.client
 import socket
 from collections import deque
 from typing import Any
@@ -22,6 +21,7 @@ from urllib.parse import urlparse
 import msgpack
 
 from sidecar.client import MSGPACK, RemoteError
+from sidecar.http1 import Connection
 
 EMPTY_STEP = {"scheduled_new_reqs": [], "scheduled_cached_reqs": {
     "req_ids": [], "resumed_req_ids": [], "new_token_ids": [], "new_block_ids": [], "num_computed_tokens": [],
@@ -39,7 +39,7 @@ class Pipeline:
         self.outstanding: deque[Any] = deque()  # (connection or None) per call sent, replies not read yet
         self.last_exec_seconds: float | None = None
         self.next_step_id: int | None = None  # numbered execute_model calls (two connections only)
-        self._conns: list[http.client.HTTPConnection] = []
+        self._conns: list[Connection] = []
         if connections == 2:
             from sidecar.client import RemoteWorker
 
