@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from sidecar.after_reply import after_reply
 from sidecar.errors import ProtocolError, StateError
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
@@ -271,7 +272,8 @@ class ModelRunner:
         nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
         self._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
         logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
-        mx.async_eval(logits, self.pool.arrays())  # type: ignore[union-attr]
+        arrays = [logits, *self.pool.arrays()]  # type: ignore[union-attr]
+        after_reply(lambda: mx.async_eval(arrays))  # (on CPU, async_eval waits for most of the forward)
         return idx, logits
 
     def _take_ahead(self, ahead: _Ahead | None, rows: list[Row], decode: list[int], last: list) -> list[int]:

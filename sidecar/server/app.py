@@ -285,7 +285,8 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
         try:
             result = call()
         finally:
-            timing.append(time.perf_counter() - t0)
+            # (plus the forward done ahead for this call after the previous reply, as far as it waited on it)
+            timing.append(time.perf_counter() - t0 + (sc.thread.carried if sc.thread is not None else 0.0))
         runner = sc.worker.runner
         # (a resend answered from the step ledger ran nothing: its stats are the previous step's)
         if (method in ("execute_model", "sample_tokens") and runner is not None and runner.last_stats.num_rows

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from sidecar import after_reply
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
 from sidecar.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
 from sidecar.worker import ALLOWED, MLXWorker
@@ -80,6 +81,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop | None
     future: asyncio.Future | None
     cancelled: bool = False
+    queued_at: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class MLXThread:
@@ -96,6 +98,10 @@ class MLXThread:
         self._stopping = False
         self.busy_since: float | None = None  # monotonic start of the running job, None when idle
         self._running: _Job | None = None
+        # after_reply work: when the last ran (perf_counter span), and how long of it the running
+        # job waited on (work done ahead for that job, which its Server-Timing counts as its own).
+        self._deferred = (0.0, 0.0)
+        self.carried = 0.0
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
 
@@ -114,6 +120,9 @@ class MLXThread:
             if job.cancelled:
                 continue
             self.busy_since, self._running = time.monotonic(), job
+            d0, d1 = self._deferred
+            self.carried = max(0.0, d1 - max(d0, job.queued_at))
+            after_reply.collect()
             try:
                 result, error = job.fn(), None
             except BaseException as e:  # delivered to the awaiting handler, never kills the thread
@@ -130,6 +139,9 @@ class MLXThread:
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     pass
+            t0 = time.perf_counter()
+            after_reply.run_pending()  # (the next decode's forward: it overlaps the round trip)
+            self._deferred = (t0, time.perf_counter())
 
     async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run fn on the MLX thread. A call still queued after `timeout` is dropped (503); once
@@ -137,7 +149,7 @@ class MLXThread:
         If the awaiting task is cancelled while the job is still queued, the job never runs."""
         if self._stopping:
             raise Unavailable("the worker is shutting down", retry_after=5)
-        if self._queue.qsize() >= self.max_queue:
+        if self.depth() >= self.max_queue:
             raise Unavailable(f"the worker's queue is full ({self.max_queue} calls waiting)", retry_after=1)
         loop = asyncio.get_running_loop()
         job = _Job(fn, loop, loop.create_future())
@@ -190,7 +202,9 @@ class MLXThread:
         return len(jobs)
 
     def depth(self) -> int:
-        return self._queue.qsize()
+        """Calls waiting to run (a dropped call still in the queue is not one)."""
+        with self._queue.mutex:
+            return sum(1 for j in self._queue.queue if j is not None and not j.cancelled)
 
     @property
     def busy(self) -> bool:
