@@ -1,0 +1,105 @@
+"""MLXThread (server/rpc.py): work deferred with after_reply runs after the reply is handed
+back, counts toward the next call's time when that call waited on it, and dropped calls do not
+hold places in the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from sidecar.after_reply import after_reply
+from sidecar.errors import Unavailable
+from sidecar.server.rpc import MLXThread
+
+
+def test_after_reply_runs_at_once_outside_the_mlx_thread() -> None:
+    ran: list[int] = []
+    after_reply(lambda: ran.append(1))
+    assert ran == [1]
+
+
+def test_deferred_work_runs_after_the_reply_and_before_the_next_call() -> None:
+    release = threading.Event()
+    order: list[str] = []
+
+    def step() -> str:
+        def ahead() -> None:
+            release.wait(5)  # (the next forward, in the real thing)
+            time.sleep(0.05)
+            order.append("ahead")
+
+        after_reply(ahead)
+        after_reply(lambda: order.append("second"))  # in the order given
+        order.append("step")
+        return "reply"
+
+    async def main() -> tuple[str, float, float]:
+        t = MLXThread(max_queue=4)
+        try:
+            got = await t.call(step, 5)  # answered while `ahead` is still blocked
+            order.append("replied")
+            nxt = asyncio.ensure_future(t.call(lambda: t.carried, 5))
+            await asyncio.sleep(0.02)
+            release.set()
+            carried = await nxt  # it waited on the ahead work: that much is counted as its own
+            later = await t.call(lambda: t.carried, 5)  # queued when nothing was deferred: none
+            return got, carried, later
+        finally:
+            t.stop()
+            t.join(5)
+
+    got, carried, later = asyncio.run(main())
+    assert got == "reply" and order == ["step", "replied", "ahead", "second"]
+    assert 0.04 < carried < 2 and later == 0.0
+
+
+def test_failed_deferred_work_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    def boom() -> None:
+        raise RuntimeError("ahead failed")
+
+    async def main() -> int:
+        t = MLXThread(max_queue=4)
+        try:
+            await t.call(lambda: after_reply(boom), 5)
+            return await t.call(lambda: 7, 5)
+        finally:
+            t.stop()
+            t.join(5)
+
+    with caplog.at_level(logging.ERROR, logger="sidecar.rpc"):
+        assert asyncio.run(main()) == 7
+    assert any("deferred work" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_dropped_call_frees_its_place_in_the_queue() -> None:
+    """max_queue 1: a call queued behind a long one times out (503, never runs); the next call is
+    queued (not refused as "queue full") although the dropped one is still in the queue."""
+    release = threading.Event()
+    ran: list[str] = []
+
+    async def main() -> tuple[int, str]:
+        t = MLXThread(max_queue=1)
+        try:
+            first = asyncio.ensure_future(t.call(lambda: release.wait(5), 10))
+            while not t.busy:
+                await asyncio.sleep(0.005)
+            with pytest.raises(Unavailable, match="waited 0.05s"):
+                await t.call(lambda: ran.append("dropped"), 0.05)
+            depth = t.depth()
+            nxt = asyncio.ensure_future(t.call(lambda: ran.append("next") or "ok", 10))
+            await asyncio.sleep(0.02)
+            with pytest.raises(Unavailable, match="queue is full"):  # this one does hold the place
+                await t.call(lambda: None, 10)
+            release.set()
+            await first
+            return depth, await nxt
+        finally:
+            t.stop()
+            t.join(5)
+
+    assert asyncio.run(main()) == (0, "ok")
+    assert ran == ["next"]
