@@ -111,6 +111,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sc.loop = asyncio.get_running_loop()
         sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
+        metrics_.thread = sc.thread
         if hasattr(worker, "attach_thread"):  # scale-out: a lost rank answers the call stuck on it
             worker.attach_thread(sc.thread)
         if config.preload:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
@@ -138,6 +138,10 @@ class WorkerCollector(Collector):
         yield gauge("last_health_check_timestamp_seconds", "Unix time of the last health check (0: never)",
                     w.last_health_check)
         m = self._metrics
+        idle = CounterMetricFamily(p + "mlx_thread_idle_seconds", "Time the MLX thread waited for a call, since start "
+                                   "(per step of a decode stream: the round trip it did not overlap)")
+        idle.add_metric([], m.thread.idle_seconds if m.thread is not None else 0.0)
+        yield idle
         yield gauge("spec_decode_acceptance_ratio", "Speculative decoding: accepted / verified draft tokens since start "
                     "(0 before any)", m.spec_accepted / m.spec_drafts if m.spec_drafts else 0.0)
 
@@ -160,6 +164,7 @@ class Metrics:
         self.registry = registry
         self.snapshot = Snapshot()
         self.instance = Instance()  # the app sets the server's own
+        self.thread: Any = None  # the app's MLXThread, once started (its idle time is a counter)
         self.last_step_seconds = 0.0
         p = PREFIX
         events = CollectorRegistry()  # the counters and histograms, exposed through registry

@@ -102,6 +102,7 @@ class MLXThread:
         # job waited on (work done ahead for that job, which its Server-Timing counts as its own).
         self._deferred = (0.0, 0.0)
         self.carried = 0.0
+        self.idle_seconds = 0.0  # waiting for a call: during a decode stream, the round trips it did not overlap
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
 
@@ -115,8 +116,14 @@ class MLXThread:
 
             mx.clear_streams()
 
+    def _get(self) -> _Job | None:
+        t0 = time.perf_counter()
+        job = self._queue.get()
+        self.idle_seconds += time.perf_counter() - t0
+        return job
+
     def _run_jobs(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while (job := self._get()) is not None:
             if job.cancelled:
                 continue
             self.busy_since, self._running = time.monotonic(), job

@@ -103,3 +103,22 @@ def test_a_dropped_call_frees_its_place_in_the_queue() -> None:
 
     assert asyncio.run(main()) == (0, "ok")
     assert ran == ["next"]
+
+
+def test_the_thread_counts_the_time_it_waits_for_calls() -> None:
+    async def main() -> tuple[float, float]:
+        t = MLXThread(max_queue=4)
+        try:
+            await t.call(lambda: None, 5)
+            before = t.idle_seconds
+            await asyncio.sleep(0.1)  # nothing to do
+            await t.call(lambda: time.sleep(0.1), 5)  # busy: not idle
+            mid = t.idle_seconds
+            await t.call(lambda: None, 5)
+            return mid - before, t.idle_seconds - mid
+        finally:
+            t.stop()
+            t.join(5)
+
+    waited, busy = asyncio.run(main())
+    assert 0.09 < waited < 1.0 and busy < 0.05
