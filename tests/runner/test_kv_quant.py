@@ -151,3 +151,31 @@ def test_layers_it_cannot_quantise_are_refused_at_load(make_worker, model: str, 
     with pytest.raises(ProtocolError) as e:
         make_worker(model, kv_dtype="8bit")
     assert e.value.field == "config.kv_dtype" and words in str(e.value), str(e.value)
+
+
+def test_serve_flag_and_init_device_override_over_a_real_server(home: str, oracle_model) -> None:
+    """`serve --kv-dtype 8bit` serves mlx-lm's 8-bit-KV tokens; init_device may switch kv_dtype;
+    a model it cannot quantise, or an unknown kv_dtype, is a 400 naming config.kv_dtype."""
+    from sidecar.client import RemoteError, RemoteWorker
+    from tests.server.serverproc import start_server
+
+    with start_server("--model", MODEL, "--kv-dtype", "8bit") as s:
+        w = RemoteWorker(s.url)
+        w.init_device()
+        w.load_model()
+        assert w.get_kv_cache_spec()["model.layers.1.self_attn"]["kv_quantization"] == {"bits": 8, "group_size": 64}
+        w.initialize_cache(32, 0)
+        d = Driver(w.execute_model, 16, 32)
+        p = prompts(512, [21], seed=6)[0]
+        d.add("a", p)
+        assert d.run(10)["a"] == quant_greedy(oracle_model(MODEL), p, 10, 8)[0]
+        for config, words in (({"model": "builtin:tiny"}, "head sizes 16/16"), ({"kv_dtype": "2bit"}, "8bit|4bit")):
+            with pytest.raises(RemoteError) as e:
+                w.call("init_device", config=config, reset=True)
+                w.load_model()
+            assert (e.value.status, e.value.field) == (400, "config.kv_dtype") and words in e.value.message, e.value
+        w.call("init_device", config={"model": MODEL, "kv_dtype": "4bit"}, reset=True)
+        w.load_model()
+        assert w.get_kv_cache_spec()["model.layers.0.self_attn"]["kv_quantization"]["bits"] == 4
+        w.close()
+        assert s.stop() == 0, s.stderr()[-2000:]
