@@ -182,7 +182,9 @@ def long_context(b: Bench, pair_for: PairFor) -> None:
         key = f"long_ctx_{n}_kv8"
         b.results.update({f"{key}_ratio": got["ratio"], f"{key}_sidecar_tok_s": got["sidecar_tok_s"],
                           f"{key}_mlx_lm_tok_s": got["mlx_lm_tok_s"], f"{key}_tokens_match": got["tokens_match"],
-                          f"{key}_cpu_ratio": got["cpu_ratio"]})
+                          f"{key}_cpu_ratio": got["cpu_ratio"],
+                          f"{key}_sidecar_cpu_ms_per_token": got["sidecar_cpu_ms_per_token"],
+                          f"{key}_mlx_lm_cpu_ms_per_token": got["mlx_lm_cpu_ms_per_token"]})
         fp = b.results.get(f"long_ctx_{n}_sidecar_tok_s")
         if fp:  # the sidecar's kv8 / fp decode rate, and mlx-lm's
             b.results[f"{key}_vs_fp_sidecar"] = got["sidecar_tok_s"] / fp

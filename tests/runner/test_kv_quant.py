@@ -179,3 +179,49 @@ def test_serve_flag_and_init_device_override_over_a_real_server(home: str, oracl
         assert w.get_kv_cache_spec()["model.layers.0.self_attn"]["kv_quantization"]["bits"] == 4
         w.close()
         assert s.stop() == 0, s.stderr()[-2000:]
+
+
+def test_recurrent_layers_stay_unquantised_beside_quantised_attention(home: str, tmp_path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid (nemotron_h: mamba, attention, mlp) with heads of 64: its attention layer is
+    quantised, its recurrent state is not (as mlx-lm's kv_bits leaves non-KVCache layers), and the
+    tokens are mlx-lm's with that cache."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from sidecar.config import Config
+    from sidecar.models import families
+    from sidecar.worker import MLXWorker
+
+    monkeypatch.setitem(families.FAMILIES, "nemotron_h", {**families.FAMILIES["nemotron_h"], "head_dim": 64})
+    path = families.write("nemotron_h", tmp_path / "nemotron_h")
+    w = MLXWorker(Config(model=str(path), home=home, kv_dtype="8bit", block_size=4))
+    w.init_device()
+    w.load_model()
+    w.initialize_cache(64, 0)
+    spec = w.get_kv_cache_spec()
+    assert spec["model.layers.0.mixer"]["type"] == "mamba" and "kv_quantization" not in spec["model.layers.0.mixer"]
+    assert spec["model.layers.1.self_attn"]["kv_quantization"] == {"bits": 8, "group_size": 64}
+    model = load_model(path)[0]
+    p = prompts(w.vocab_size(), [13], seed=7)[0]
+    cache = [QuantizedKVCache(64, 8) if type(c) is KVCache else c for c in make_prompt_cache(model)]
+    want = [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=8, sampler=lambda x: mx.argmax(x, axis=-1),
+                                             prompt_cache=cache, kv_bits=8, kv_group_size=64, quantized_kv_start=0)]
+    d = Driver(w.execute_model, 4, 64)
+    d.add("h", p)
+    assert d.run(8, chunk=5)["h"] == want
+
+
+def test_a_draft_model_runs_on_its_own_quantised_pool(make_worker, oracle_model) -> None:
+    """The target as its own draft, both with 8-bit KV: every draft is accepted (k + 1 tokens a
+    step) and the tokens are mlx-lm's with the same quantisation."""
+    from tests.runner.test_proposers import _run
+
+    k = 3
+    w = make_worker(MODEL, num_blocks=64, kv_dtype="8bit", draft_model=MODEL, num_speculative_tokens=k)
+    assert w.runner.proposer.runner.pool.keys[0][0].dtype == mx.uint32
+    ps = {"a": prompts(512, [9], seed=8)[0]}
+    got, d = _run(w, ps, 13)
+    assert got["a"] == quant_greedy(oracle_model(MODEL), ps["a"], 13, 8)[0]
+    assert {n for step in d.tokens_per_step for n in step} == {k + 1}, d.tokens_per_step
