@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.bench import report, scenarios, spec, workloads
+from sidecar.bench import pool_sampling, report, scenarios, spec, workloads
 from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
 from sidecar.bench.report import REQUIRED_KEYS, table
@@ -185,10 +185,10 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
             ("rpc batch 1", lambda: scenarios.rpc_batch1_run(b)),
             ("batch", lambda: scenarios.batch32(b)),
             ("sweep", lambda: scenarios.sweep(b)),
-            ("sampling", lambda: scenarios.sampling(b)),
+            ("sampling", lambda: pool_sampling.sampling(b)),
             ("prefix", lambda: scenarios.prefix_ttft(b)),
             ("rpc overhead", lambda: scenarios.rpc_overhead(b)),
-            ("pool_size", lambda: scenarios.pool_size(b, make_side)),
+            ("pool_size", lambda: pool_sampling.pool_size(b, make_side)),
             ("tiny single stream", lambda: workloads.tiny_single_stream(b, pair_for)),
             ("long context", lambda: workloads.long_context(b, pair_for)),
             ("speculative", lambda: spec.speculative(b, make_side)),
