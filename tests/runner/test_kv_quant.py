@@ -21,7 +21,8 @@ def quant_greedy(model: object, prompt: list[int], n: int, bits: int | None) -> 
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import QuantizedKVCache
 
-    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers] if bits else None  # type: ignore[attr-defined]
+    layers = model.layers  # type: ignore[attr-defined]
+    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in layers] if bits else None
     tokens, logprobs = [], []
     for tok, lp in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1),
                                  prompt_cache=cache, kv_bits=bits, kv_group_size=64, quantized_kv_start=0):
