@@ -68,7 +68,8 @@ class KVPool:
         return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        return ([a for leaf in self.keys + self.values for a in _parts(leaf)]
+        return ([a for leaf in self.keys + self.values if leaf is not None
+                 for a in (leaf if isinstance(leaf, list) else (leaf,))]  # per step: no call per leaf
                 + [a for st in self.states if st is not None for a in st])
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
