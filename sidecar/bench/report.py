@@ -45,6 +45,8 @@ GOALS = (
          "{tiny_single_stream_sidecar_tok_s:.1f} tok/s", "{tiny_single_stream_mlx_lm_tok_s:.1f} tok/s"),
     Goal("tiny_single_stream_cpu_ratio", "  same, CPU per token (mlx-lm / sidecar)", "", math.nan,
          "{tiny_single_stream_sidecar_cpu_ms_per_token:.3f} ms", "{tiny_single_stream_mlx_lm_cpu_ms_per_token:.3f} ms"),
+    Goal("tiny_single_stream_mlx_idle_ms_per_token", "  same, server MLX thread idle per token", "", math.nan,
+         "{tiny_single_stream_mlx_idle_ms_per_token:.3f} ms (round trip not overlapped)", "-"),
     Goal("tiny_single_stream_pipelined_ratio", "  same, two steps in flight, 1 / 2 connections", "", math.nan,
          "{tiny_single_stream_pipelined_sidecar_tok_s:.1f} / {tiny_single_stream_pipelined_2conn_sidecar_tok_s:.1f} "
          "tok/s", "x2: {tiny_single_stream_pipelined_2conn_ratio:.2f}"),

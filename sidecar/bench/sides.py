@@ -157,6 +157,15 @@ class TimedWorker(RemoteWorker):
         return result
 
     def last_step_gauge(self) -> float | None:
+        return self._scrape(_GAUGE)
+
+    def idle_seconds(self) -> float | None:
+        """The server's MLX thread idle time (/info `mlx_thread_idle_seconds`, cheaper than a
+        scrape; None: a server without it)."""
+        value = self.info().get("mlx_thread_idle_seconds")
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def _scrape(self, pattern: re.Pattern[bytes]) -> float | None:
         u = urlparse(self.url)
         for attempt in (0, 1):
             if self._metrics_conn is None:
@@ -170,7 +179,7 @@ class TimedWorker(RemoteWorker):
                 self._metrics_conn = None
                 if attempt:
                     return None
-        m = _GAUGE.search(data)
+        m = pattern.search(data)
         return float(m.group(1)) if m else None
 
     def close(self) -> None:

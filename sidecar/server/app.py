@@ -236,6 +236,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "kv_cache_spec": snap.kv_cache_spec, "num_blocks": snap.num_blocks, "block_size": snap.block_size,
             "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
+            "mlx_thread_idle_seconds": thread.idle_seconds if thread else 0.0,
             "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
             "starting": sc.startup.stage,
             "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"

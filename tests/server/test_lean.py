@@ -59,6 +59,8 @@ def test_the_lean_path_answers_as_the_starlette_route(home: str, token: str | No
     with TestClient(app) as lean:  # (runs the lifespan: the MLX thread both clients call into)
         starlette = TestClient(through_starlette)
         got, want = _answers(lean), _answers(starlette)
+        idle = lean.get("/info").json()["mlx_thread_idle_seconds"]  # (its MLX thread mostly waited)
+    assert isinstance(idle, float) and idle > 0
     statuses = [s for s, _, _ in got]
     assert statuses == ([200, 400, 400, 409, 409, 404, 404, 405, 405, 415, 409, 200, 200] if token is None
                         else [401] * 12 + [200])
