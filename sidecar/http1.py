@@ -48,7 +48,8 @@ class Connection:
         self.sock: socket.socket | None = None
         self._buf = b""  # bytes received past the last reply
         self._pending: tuple[str, bool] | None = None  # (verb, close after) of the request sent, reply unread
-        self._host_header = "localhost" if uds else (f"{host}:{port}" if port != 80 else host)
+        name = f"[{host}]" if ":" in host else host  # (an IPv6 literal)
+        self._host_header = "localhost" if uds else (f"{name}:{port}" if port != 80 else name)
 
     def connect(self) -> None:
         if self.uds:
