@@ -102,7 +102,10 @@ class MLXThread:
         # job waited on (work done ahead for that job, which its Server-Timing counts as its own).
         self._deferred = (0.0, 0.0)
         self.carried = 0.0
-        self.idle_seconds = 0.0  # waiting for a call: during a decode stream, the round trips it did not overlap
+        # Waiting for a call (during a decode stream: the round trips it did not overlap): the
+        # finished waits, and when the current one began (None while a job runs); one tuple, so
+        # another thread reads a consistent pair.
+        self._idle: tuple[float, float | None] = (0.0, None)
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
 
@@ -117,10 +120,17 @@ class MLXThread:
             mx.clear_streams()
 
     def _get(self) -> _Job | None:
-        t0 = time.perf_counter()
+        self._idle = (self._idle[0], time.perf_counter())
         job = self._queue.get()
-        self.idle_seconds += time.perf_counter() - t0
+        total, since = self._idle
+        self._idle = (total + time.perf_counter() - (since or 0.0), None)
         return job
+
+    @property
+    def idle_seconds(self) -> float:
+        """Time the thread has waited for calls, the wait going on now included."""
+        total, since = self._idle
+        return total + (time.perf_counter() - since if since is not None else 0.0)
 
     def _run_jobs(self) -> None:
         while (job := self._get()) is not None:

@@ -122,3 +122,22 @@ def test_the_thread_counts_the_time_it_waits_for_calls() -> None:
 
     waited, busy = asyncio.run(main())
     assert 0.09 < waited < 1.0 and busy < 0.05
+
+
+def test_the_idle_time_includes_the_wait_going_on() -> None:
+    """Read while the thread waits (as /info is, between a client's calls), the idle time already
+    counts that wait, so a delta over a run never takes in the wait before it."""
+    async def main() -> tuple[float, float]:
+        t = MLXThread(max_queue=4)
+        try:
+            await t.call(lambda: None, 5)
+            a = t.idle_seconds
+            await asyncio.sleep(0.1)
+            b = t.idle_seconds  # no call in between
+            return a, b
+        finally:
+            t.stop()
+            t.join(5)
+
+    a, b = asyncio.run(main())
+    assert 0.09 < b - a < 1.0
