@@ -39,7 +39,7 @@ from sidecar.server.httpio import media_type as _media_type
 from sidecar.server.httpio import read_body as _read_body
 from sidecar.server.httpio import request_id as _request_id
 from sidecar.server.httpio import wants_msgpack as _wants_msgpack
-from sidecar.server.lean import LeanApp
+from sidecar.server.lean import LeanApp, http_protocol
 from sidecar.server.instance import EXPECT_HEADER, Instance, InstanceHeader
 from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_token
 from sidecar.server.logs import add_secret, configure_logging
@@ -125,8 +125,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             await _drain(sc)
 
     async def rpc_reply(request: Any) -> tuple[int, dict[str, str], bytes, str]:
-        """One RPC: (status, headers, body, media type). `request` is Starlette's Request or the
-        lean path's (server/lean.py): headers, method, path_params, stream()."""
+        """(status, headers, body, media type); `request`: Starlette's or server/lean.py's."""
         t0 = time.perf_counter()
         rid = _request_id(request.headers.get("x-request-id"))
         method = request.path_params["method"]
@@ -287,8 +286,7 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
         try:
             result = call()
         finally:
-            # (plus the forward done ahead for this call after the previous reply, as far as it waited on it)
-            timing.append(time.perf_counter() - t0 + (sc.thread.carried if sc.thread is not None else 0.0))
+            timing.append(time.perf_counter() - t0 + (sc.thread.carried if sc.thread else 0.0))  # + its ahead forward
         runner = sc.worker.runner
         # (a resend answered from the step ledger ran nothing: its stats are the previous step's)
         if (method in ("execute_model", "sample_tokens") and runner is not None and runner.last_stats.num_rows
@@ -306,15 +304,6 @@ def _preload(sc: Sidecar) -> None:
         sc.preload_error = f"{type(e).__name__}: {e}"
         sc.metrics.observe_error("preload")
         slog.exception("preload failed")
-
-
-def _http_protocol() -> Any:
-    """uvicorn's httptools protocol with one write per reply (server/coalesce.py), when httptools is there."""
-    try:
-        from sidecar.server.coalesce import GatheringHttpToolsProtocol
-    except ImportError:
-        return "auto"
-    return GatheringHttpToolsProtocol
 
 
 async def exit_when_idle(sc: Sidecar, server: Any) -> None:
@@ -378,7 +367,7 @@ def serve(config: Config, worker: MLXWorker | None = None) -> int:
     sc: Sidecar = app.state.sidecar
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                         timeout_graceful_shutdown=max(0.1, config.shutdown_timeout),  # type: ignore[arg-type]
-                        lifespan="on", log_config=None, http=_http_protocol())
+                        lifespan="on", log_config=None, http=http_protocol())
 
     class Server(uvicorn.Server):
         exit_requested = False

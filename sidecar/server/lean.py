@@ -102,3 +102,13 @@ class LeanApp(Starlette):
                     (b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
                     self._instance_header]})
                 await send({"type": "http.response.body", "body": body})
+
+
+def http_protocol() -> Any:
+    """For uvicorn: its httptools protocol with one write per reply (server/coalesce.py), when
+    httptools is installed; else uvicorn's own choice."""
+    try:
+        from sidecar.server.coalesce import GatheringHttpToolsProtocol
+    except ImportError:
+        return "auto"
+    return GatheringHttpToolsProtocol
