@@ -29,6 +29,8 @@ GOALS = (
          "b1 {rpc_overhead_ms_p50_b1:.3f} / b64 {rpc_overhead_ms_p50_b64:.3f} ms", "-"),
     Goal("rpc_overhead_ms_p99", "rpc overhead p99 (worst batch)", "", math.nan,
          "b1 {rpc_overhead_ms_p99_b1:.3f} / b64 {rpc_overhead_ms_p99_b64:.3f} ms", "-"),
+    Goal("rpc_b1_mlx_idle_ms_per_step", "  b1: server MLX thread idle per step", "", math.nan,
+         "{rpc_b1_mlx_idle_ms_per_step:.3f} ms (the overhead not hidden)", "-"),
     Goal("rpc_null_ms_p50", "no-op rpc p50, back to back", "", math.nan,
          "after 30 ms idle: {rpc_null_after_idle_ms_p50:.3f} ms", "-"),
     Goal("msgpack_256_ms", "msgpack 256-req step enc+dec", "", math.nan,

@@ -193,8 +193,13 @@ def sweep(b: Bench) -> None:
 
 
 def rpc_batch1_run(b: Bench) -> None:
-    """A dedicated batch-1 decode run with the server's time known for every step."""
+    """A dedicated batch-1 decode run with the server's time known for every step; also how long
+    the server's MLX thread waited for calls per step (the round trip it did not overlap)."""
+    i0 = b.sidecar.worker.idle_seconds()
     b.sidecar.run(requests_for([b.prompt(8)], b.params.rpc_b1_steps + 1), tag="rpc_b1", probe=True)
+    i1 = b.sidecar.worker.idle_seconds()
+    if i0 is not None and i1 is not None:
+        b.results["rpc_b1_mlx_idle_ms_per_step"] = (i1 - i0) / (b.params.rpc_b1_steps + 1) * 1e3
 
 
 def rpc_overhead(b: Bench) -> None:
