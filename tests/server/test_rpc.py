@@ -54,7 +54,7 @@ def test_deferred_work_runs_after_the_reply_and_before_the_next_call() -> None:
 
     got, carried, later = asyncio.run(main())
     assert got == "reply" and order == ["step", "replied", "ahead", "second"]
-    assert 0.04 < carried < 2 and later == 0.0
+    assert 0.04 < carried < 2 and later < 0.01  # (nothing deferred: at most the empty run of it)
 
 
 def test_failed_deferred_work_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
@@ -112,7 +112,7 @@ def test_the_thread_counts_the_time_it_waits_for_calls() -> None:
             await t.call(lambda: None, 5)
             before = t.idle_seconds
             await asyncio.sleep(0.1)  # nothing to do
-            await t.call(lambda: time.sleep(0.1), 5)  # busy: not idle
+            await t.call(lambda: time.sleep(0.3), 5)  # busy: not idle
             mid = t.idle_seconds
             await t.call(lambda: None, 5)
             return mid - before, t.idle_seconds - mid
@@ -121,7 +121,7 @@ def test_the_thread_counts_the_time_it_waits_for_calls() -> None:
             t.join(5)
 
     waited, busy = asyncio.run(main())
-    assert 0.09 < waited < 1.0 and busy < 0.05
+    assert 0.09 < waited < 0.29 and busy < 0.2  # the 0.3 s call is not in it
 
 
 def test_the_idle_time_includes_the_wait_going_on() -> None:
