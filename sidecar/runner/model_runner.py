@@ -222,8 +222,9 @@ class ModelRunner:
                 self.pool.copy_blocks(plan.block_copies)
             if defer_sampling:
                 logits, prompt_lp = self._logits(plan.rows, ahead)
-                if logits is not None:
-                    mx.async_eval(logits, self.pool.arrays())
+                if logits is not None:  # (the forward overlaps the null reply and the grammar's round trip)
+                    arrays = [logits, *self.pool.arrays()]
+                    after_reply(lambda: mx.async_eval(arrays))
                 self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
                 self.last_stats = StepStats()
                 return None
