@@ -432,16 +432,18 @@ class ModelRunner:
                 select.extend(b * L + i for i in range(hi - r.start))
             last_at.append(len(select))
             select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
-        index = mx.array(select, dtype=mx.int32)
+        # Every position selected (a batch of decodes): no gather.
+        index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
         caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths, self._layouts.build)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
-            if self._selection is not None:
+            if self._selection is not None and index is not None:
                 self._selection.index = index
                 logits = self.model(tokens, cache=caches)[0]
             else:
-                logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)[index]
+                logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)
+                logits = logits if index is None else logits[index]
             if stores is not None:
                 stores.append(store_states)
             else:
