@@ -19,6 +19,7 @@ import numpy as np
 
 from sidecar.errors import ProtocolError, StateError
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from sidecar.runner.fused_ops import fuse_decode_ops
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches
@@ -124,6 +125,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
+        fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
         self._selection = _select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
@@ -147,6 +149,7 @@ class ModelRunner:
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
+        fuse_decode_ops(model)
         self._selection = _select_before_norm(model)
         self.lora.attach(model)
 
