@@ -4,7 +4,11 @@ Every row that sampled decodes its new token with the same block table. It runs 
 response travels and the scheduler plans, and is used row by row where the next step matches
 exactly. How far it overlaps is bounded by MLX itself: `async_eval` returns only once at most ~10
 tasks (~100 ops on the CPU backend) are left queued, so one forward queued ahead is as deep as the
-overlap goes (a second one would only wait in the same queue).
+overlap goes (queueing a second would hold the step until the first is nearly computed). That wait
+would hold the step's reply too; where the server runs `ModelRunner.after_reply` on the MLX thread
+after each reply (server/rpc.py), the forward is built in the step and dispatched there instead,
+so the reply leaves as soon as the step's own tokens are known and the next forward computes
+while it travels.
 """
 
 from __future__ import annotations
@@ -63,7 +67,10 @@ def start(runner: ModelRunner, rows: list[Row], tokens: mx.array,
     nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
     runner._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
     logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
-    mx.async_eval(logits, runner.pool.arrays())  # type: ignore[union-attr]
+    if runner.dispatch_after_reply:  # dispatched once the reply is on its way (ModelRunner.after_reply)
+        runner._dispatch = [logits, *runner.pool.arrays()]  # type: ignore[union-attr]
+    else:
+        mx.async_eval(logits, runner.pool.arrays())  # type: ignore[union-attr]
     return idx, logits
 
 

@@ -109,6 +109,8 @@ class ModelRunner:
         self._ahead: _Ahead | None = None
         self._layouts = LayoutBuilder()
         self.ahead_hits = self.ahead_misses = 0
+        self.dispatch_after_reply = False  # set by the first after_reply(): its caller runs it after every reply
+        self._dispatch: list[mx.array] | None = None  # the decode-ahead forward, built, waiting for after_reply
         self._pending: _Pending | None = None
         self.spec = SpecCounters()
         self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
@@ -131,17 +133,30 @@ class ModelRunner:
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
-        self._ahead = None
+        self._ahead = self._dispatch = None
         self.model = self.lora.model = None  # type: ignore[assignment]
         self._selection = None
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
 
+    def after_reply(self) -> None:
+        """Dispatch the decode-ahead forward the last step built (ahead.py). The server's MLX thread
+        calls this after every call, once its reply is handed over; the first call switches the
+        runner to leaving that dispatch to it. Without a caller the forward is dispatched in the step."""
+        self.dispatch_after_reply = True
+        todo, self._dispatch = self._dispatch, None
+        if todo:
+            try:
+                mx.async_eval(todo)
+            except BaseException:
+                self._ahead = None  # the next step computes its rows itself
+                raise
+
     # --- pool -------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> None:
-        self._ahead = self._pending = None
+        self._ahead = self._pending = self._dispatch = None
         self.pool = None  # free the old pool before allocating the new one
         self.requests.clear()
         self.pool = KVPool(self.specs, num_blocks)
@@ -149,7 +164,7 @@ class ModelRunner:
             self.proposer.allocate(num_blocks)
 
     def free(self) -> None:
-        self._ahead = self._pending = None
+        self._ahead = self._pending = self._dispatch = None
         self.pool = None
         self.requests.clear()
         if self.proposer is not None:
