@@ -50,6 +50,8 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     for n in curve["context"]:
         assert doc[f"long_ctx_{n}_tokens_match"] == 1.0  # after the cached context, the same tokens
         assert math.isfinite(doc[f"long_ctx_{n}_ratio"]) and doc[f"long_ctx_{n}_ratio"] > 0
+    assert doc["long_ctx_200_kv8_tokens_match"] == 1.0  # --kv-dtype 8bit: mlx-lm's 8-bit-KV tokens
+    assert doc["long_ctx_200_kv8_ratio"] > 0 and doc["long_ctx_200_kv8_vs_fp_sidecar"] > 0
     assert "decode against context" in out
     assert f"json: {json_path}" in out
     pytest.importorskip("matplotlib")
