@@ -282,8 +282,9 @@ class MLXWorker(StateMachine):
         return self.runner.execute_model(self.runner.decode(scheduler_output), defer_sampling)
 
     def after_reply(self) -> None:
-        """Not an RPC: the server's MLX thread runs this after each call, once the reply is handed
-        to the event loop (server/rpc.py), for work that must not delay it (ModelRunner.after_reply)."""
+        """Not an RPC: the server's MLX thread runs this after a call, once the reply is handed to
+        the event loop and no other call waits (server/rpc.py), for work that must not delay the
+        reply (ModelRunner.after_reply)."""
         if self.runner is not None:
             self.runner.after_reply()
 

@@ -142,8 +142,9 @@ class ModelRunner:
 
     def after_reply(self) -> None:
         """Dispatch the decode-ahead forward the last step built (ahead.py). The server's MLX thread
-        calls this after every call, once its reply is handed over; the first call switches the
-        runner to leaving that dispatch to it. Without a caller the forward is dispatched in the step."""
+        calls this once a call's reply is handed over and no other call waits; the first call
+        switches the runner to leaving that dispatch to it. Without a caller the forward is
+        dispatched in the step; one left undispatched is computed by the step that uses it."""
         self.dispatch_after_reply = True
         todo, self._dispatch = self._dispatch, None
         if todo:

@@ -119,7 +119,7 @@ class MLXThread:
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     pass
-            if self._after_reply is not None:
+            if self._after_reply is not None and self._queue.empty():  # else the next call starts now
                 try:
                     self._after_reply()
                 except Exception:  # noqa: BLE001 - the next step meets (and answers) the same error
