@@ -1,4 +1,4 @@
-"""A decode step's RoPE and RMSNorm as compiled graphs on the CPU backend.
+"""A decode step's RoPE (nn.RoPE, mlx-lm's Llama3RoPE) and RMSNorm as compiled graphs on the CPU backend.
 
 On the CPU, `mx.fast.rope` and `mx.fast.rms_norm` are their composite fallbacks: about 29 small
 ops per RoPE call (positions, frequencies, cos, sin, the rotation, a concatenate) and 11 per norm,
@@ -17,12 +17,21 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE
 
 
 @functools.lru_cache(maxsize=None)
 def _rope(dims: int, traditional: bool, base: float | None, scale: float) -> Callable[[mx.array, mx.array], mx.array]:
     def rope(x: mx.array, offset: mx.array) -> mx.array:
         return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+
+    return mx.compile(rope)
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_freqs(dims: int, traditional: bool) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+    def rope(x: mx.array, offset: mx.array, freqs: mx.array) -> mx.array:
+        return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=1.0, offset=offset, freqs=freqs)
 
     return mx.compile(rope)
 
@@ -42,6 +51,13 @@ class _DecodeCompiledRoPE(nn.RoPE):
         return super().__call__(x, offset)
 
 
+class _DecodeCompiledLlama3RoPE(Llama3RoPE):
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if isinstance(offset, mx.array) and x.ndim == 4 and x.shape[-2] == 1:
+            return _rope_freqs(self.dims, self.traditional)(x, offset, self._freqs)
+        return super().__call__(x, offset)
+
+
 class _DecodeCompiledRMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         if x.ndim in (3, 4) and x.shape[1] == 1:  # [B, 1, D] or [B, 1, H, D]
@@ -49,7 +65,8 @@ class _DecodeCompiledRMSNorm(nn.RMSNorm):
         return super().__call__(x)
 
 
-_SWAPS = {nn.RoPE: _DecodeCompiledRoPE, nn.RMSNorm: _DecodeCompiledRMSNorm}
+_SWAPS: dict[type, type] = {nn.RoPE: _DecodeCompiledRoPE, Llama3RoPE: _DecodeCompiledLlama3RoPE,
+                             nn.RMSNorm: _DecodeCompiledRMSNorm}
 
 
 def _compiles() -> bool:
@@ -63,7 +80,7 @@ def _compiles() -> bool:
 
 
 def fuse_decode_ops(model: nn.Module) -> int:
-    """Swap the model's plain `nn.RoPE` and `nn.RMSNorm` modules for the decode-compiled ones
+    """Swap the model's plain `nn.RoPE`, mlx-lm `Llama3RoPE` and `nn.RMSNorm` modules for the decode-compiled ones
     (CPU only; the class swap keeps parameters and names). Returns how many were swapped."""
     if mx.default_device() != mx.cpu or not _compiles():
         return 0

@@ -52,6 +52,19 @@ def test_fused_equals_the_module_bit_for_bit(tmp_path, dtype, dims, base, tradit
     assert nodes(tmp_path, fused.rope(x, 9)) == nodes(tmp_path, plain.rope(x, 9))
 
 
+def test_llama3_rope_is_fused_bit_for_bit(tmp_path) -> None:
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    cfg = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    plain, fused = Llama3RoPE(16, 131072, False, 500000.0, cfg), Llama3RoPE(16, 131072, False, 500000.0, cfg)
+    holder = nn.Sequential(fused)
+    assert fuse_decode_ops(holder) == 1 and type(holder.layers[0]).__name__ == "_DecodeCompiledLlama3RoPE"
+    for B, offsets in [(1, [0]), (1, [30000]), (3, [4, 900, 70000])]:
+        x, off = mx.random.normal((B, 4, 1, 16)), mx.array(offsets, dtype=mx.int32)
+        assert mx.array_equal(fused(x, off), plain(x, off)).item(), offsets
+    assert nodes(tmp_path, fused(x, off)) < nodes(tmp_path, plain(x, off))
+
+
 def test_only_plain_modules_are_swapped() -> None:
     class Custom(nn.RoPE):
         pass
