@@ -39,3 +39,22 @@ def test_a_dispatch_never_survives_a_new_pool(make_worker) -> None:
     w.runner.allocate(16)
     assert w.runner._dispatch is None and w.runner._ahead is None
     w.after_reply()  # nothing left to dispatch
+
+
+def test_an_undispatched_forward_never_costs_a_pool_copy(make_worker) -> None:
+    """A hook skipped (a call was already waiting) leaves the forward to the next step, which still
+    writes the pool in place (the same buffer after three such steps)."""
+    import numpy as np
+
+    w = make_worker(num_blocks=32)
+    w.after_reply()  # deferral on; then no hook runs between these steps
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", [5, 6, 7], {"temperature": 0.0, "max_tokens": 20})
+    d.step()
+    d.step()
+    before = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+    for _ in range(3):
+        d.step()
+    after = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+    assert before == after
+    assert w.runner.ahead_hits >= 3
