@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from sidecar import after_reply
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
 from sidecar.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
 from sidecar.worker import ALLOWED, MLXWorker
@@ -91,14 +90,16 @@ class MLXThread:
     own. The thread publishes the worker's state after every job through `after_job`.
     """
 
-    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None):
+    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None,
+                 after_reply: Callable[[], None] | None = None):
         self.max_queue = max_queue
         self._after_job = after_job
+        self._after_reply = after_reply  # MLX work that must not delay a reply (MLXWorker.after_reply)
         self._queue: queue.Queue[_Job | None] = queue.Queue()  # bounded by `call`; the stop sentinel always fits
         self._stopping = False
         self.busy_since: float | None = None  # monotonic start of the running job, None when idle
         self._running: _Job | None = None
-        # after_reply work: when the last ran (perf_counter span), and how long of it the running
+        # The after_reply hook: when it last ran (perf_counter span), and how long of it the running
         # job waited on (work done ahead for that job, which its Server-Timing counts as its own).
         self._deferred = (0.0, 0.0)
         self.carried = 0.0
@@ -139,7 +140,6 @@ class MLXThread:
             self.busy_since, self._running = time.monotonic(), job
             d0, d1 = self._deferred
             self.carried = max(0.0, d1 - max(d0, job.queued_at))
-            after_reply.collect()
             try:
                 result, error = job.fn(), None
             except BaseException as e:  # delivered to the awaiting handler, never kills the thread
@@ -156,9 +156,14 @@ class MLXThread:
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     pass
-            t0 = time.perf_counter()
-            after_reply.run_pending()  # (the next decode's forward: it overlaps the round trip)
-            self._deferred = (t0, time.perf_counter())
+            # (a dropped call still queued is no reason to skip it: depth counts live calls only)
+            if self._after_reply is not None and not self.depth():  # else the next call starts now
+                t0 = time.perf_counter()
+                try:
+                    self._after_reply()
+                except Exception:  # noqa: BLE001 - the next step meets (and answers) the same error
+                    log.exception("the work after a reply failed")
+                self._deferred = (t0, time.perf_counter())
 
     async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run fn on the MLX thread. A call still queued after `timeout` is dropped (503); once

@@ -1,78 +1,49 @@
-"""MLXThread (server/rpc.py): work deferred with after_reply runs after the reply is handed
-back, counts toward the next call's time when that call waited on it, and dropped calls do not
-hold places in the queue."""
+"""MLXThread (server/rpc.py): the after-reply hook's work counts toward the next call's time when
+that call waited on it, the thread counts the time it waits for calls, and dropped calls do not
+hold places in the queue (the hook's ordering: test_rpc_after_reply.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 
 import pytest
 
-from sidecar.after_reply import after_reply
 from sidecar.errors import Unavailable
 from sidecar.server.rpc import MLXThread
 
 
-def test_after_reply_runs_at_once_outside_the_mlx_thread() -> None:
-    ran: list[int] = []
-    after_reply(lambda: ran.append(1))
-    assert ran == [1]
-
-
-def test_deferred_work_runs_after_the_reply_and_before_the_next_call() -> None:
+def test_a_call_that_waited_on_the_hooks_work_counts_it_as_its_own() -> None:
+    """The after-reply hook computes the next call's forward ahead: the time a call waits on it
+    goes into that call's `carried` (its Server-Timing), and a call queued when nothing was
+    deferred carries nothing."""
     release = threading.Event()
-    order: list[str] = []
+    runs: list[int] = []
 
-    def step() -> str:
-        def ahead() -> None:
+    def hook() -> None:
+        runs.append(1)
+        if len(runs) == 1:
             release.wait(5)  # (the next forward, in the real thing)
             time.sleep(0.05)
-            order.append("ahead")
 
-        after_reply(ahead)
-        after_reply(lambda: order.append("second"))  # in the order given
-        order.append("step")
-        return "reply"
-
-    async def main() -> tuple[str, float, float]:
-        t = MLXThread(max_queue=4)
+    async def main() -> tuple[float, float]:
+        t = MLXThread(max_queue=4, after_reply=hook)
         try:
-            got = await t.call(step, 5)  # answered while `ahead` is still blocked
-            order.append("replied")
+            await t.call(lambda: None, 5)  # its hook blocks until released
             nxt = asyncio.ensure_future(t.call(lambda: t.carried, 5))
             await asyncio.sleep(0.02)
             release.set()
-            carried = await nxt  # it waited on the ahead work: that much is counted as its own
-            later = await t.call(lambda: t.carried, 5)  # queued when nothing was deferred: none
-            return got, carried, later
+            carried = await nxt
+            await asyncio.sleep(0.05)  # the (quick) hook after it is done
+            later = await t.call(lambda: t.carried, 5)
+            return carried, later
         finally:
             t.stop()
             t.join(5)
 
-    got, carried, later = asyncio.run(main())
-    assert got == "reply" and order == ["step", "replied", "ahead", "second"]
-    assert 0.04 < carried < 2 and later < 0.01  # (nothing deferred: at most the empty run of it)
-
-
-def test_failed_deferred_work_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    def boom() -> None:
-        raise RuntimeError("ahead failed")
-
-    async def main() -> int:
-        t = MLXThread(max_queue=4)
-        try:
-            await t.call(lambda: after_reply(boom), 5)
-            return await t.call(lambda: 7, 5)
-        finally:
-            t.stop()
-            t.join(5)
-
-    with caplog.at_level(logging.ERROR, logger="sidecar.rpc"):
-        assert asyncio.run(main()) == 7
-    assert any("deferred work" in r.getMessage() and r.exc_info for r in caplog.records)
+    carried, later = asyncio.run(main())
+    assert 0.04 < carried < 2 and later < 0.01
 
 
 def test_a_dropped_call_frees_its_place_in_the_queue() -> None:
