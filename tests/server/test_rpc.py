@@ -18,12 +18,13 @@ def test_a_call_that_waited_on_the_hooks_work_counts_it_as_its_own() -> None:
     """The after-reply hook computes the next call's forward ahead: the time a call waits on it
     goes into that call's `carried` (its Server-Timing), and a call queued when nothing was
     deferred carries nothing."""
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     runs: list[int] = []
 
     def hook() -> None:
         runs.append(1)
         if len(runs) == 1:
+            started.set()
             release.wait(5)  # (the next forward, in the real thing)
             time.sleep(0.05)
 
@@ -31,6 +32,7 @@ def test_a_call_that_waited_on_the_hooks_work_counts_it_as_its_own() -> None:
         t = MLXThread(max_queue=4, after_reply=hook)
         try:
             await t.call(lambda: None, 5)  # its hook blocks until released
+            assert await asyncio.to_thread(started.wait, 5)  # (a call queued before it starts would skip it)
             nxt = asyncio.ensure_future(t.call(lambda: t.carried, 5))
             await asyncio.sleep(0.02)
             release.set()
