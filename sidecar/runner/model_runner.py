@@ -330,7 +330,8 @@ class ModelRunner:
             verified = verify(self.sampler, logits, rows, probs)
             res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
             mx.eval(self.pool.arrays())
-        elif start_ahead and grammar is None and self.proposer is None and all(_plain_greedy(r) for r in rows):
+        elif start_ahead and grammar is None and all(_plain_greedy(r) for r in rows) and not (
+                self.proposer is not None and self.proposer.may_draft(rows)):
             # Sample lazily and queue the next step's forward behind it before waiting.
             lazy = True
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)

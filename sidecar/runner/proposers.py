@@ -27,7 +27,7 @@ import numpy as np
 from sidecar.config import Config
 from sidecar.errors import ProtocolError
 from sidecar.runner.kv_cache import LayerSpec
-from sidecar.runner.ngram import ngram_drafts
+from sidecar.runner.ngram import ngram_drafts, ngram_may_match
 from sidecar.runner.requests import RequestState, Row
 from sidecar.runner.sampler import SamplingParams
 
@@ -94,6 +94,26 @@ class Proposer:
     def _drafts(self, runner: ModelRunner, want: list[tuple[RequestState, list[int], int]]) -> dict[str, list[int]]:
         raise NotImplementedError
 
+    def may_draft(self, rows: Sequence[Row]) -> bool:
+        """Whether `propose` after this step could draft for any of the rows, known before their
+        new tokens are. When not, the runner samples lazily and queues the next decode ahead
+        behind the sampling, as without a proposer: a request whose drafts keep failing (paused)
+        or whose text gives lookup nothing to match costs what plain decoding does."""
+        for r in rows:
+            if not r.sample:
+                continue
+            if r.num_draft:
+                return True
+            pace = self.paces.get(r.state.req_id)
+            if pace is not None and pace.wait:  # paused: `update` gives 0 drafts this step
+                continue
+            if self._may_draft(r.state):
+                return True
+        return False
+
+    def _may_draft(self, s: RequestState) -> bool:
+        return True
+
     def take(self) -> dict | None:
         """vLLM's DraftTokenIds, or None when no request has drafts."""
         pending, self.pending = self.pending, {}
@@ -124,6 +144,9 @@ class NgramProposer(Proposer):
 
     def _drafts(self, runner: ModelRunner, want: list[tuple[RequestState, list[int], int]]) -> dict[str, list[int]]:
         return {s.req_id: ngram_drafts(np.asarray(h, np.int32), self.n_min, self.n_max, k) for s, h, k in want}
+
+    def _may_draft(self, s: RequestState) -> bool:
+        return ngram_may_match(s.prompt_token_ids, s.output_token_ids, self.n_min)
 
 
 @dataclass

@@ -160,3 +160,56 @@ def test_draft_length_adapts_to_rejections_and_pauses() -> None:
     steps = [((0, 0), 3), ((3, 3), 3), ((3, 1), 2), ((2, 0), 1), ((1, 0), 0), ((0, 0), 1),
              ((1, 0), 0), ((0, 0), 0), ((0, 0), 1), ((1, 1), 3)]
     assert [p.update(3, d, a) for (d, a), _ in steps] == [want for _, want in steps]
+
+
+def test_may_draft_only_where_propose_could() -> None:
+    """The runner's cue for the lazy greedy path: a row verifying drafts, or one whose text lookup
+    could match after any next token, may get drafts; a paused row or one with nothing to match
+    may not (and propose then indeed gives none)."""
+    from sidecar.runner.proposers import NgramProposer
+    from sidecar.runner.requests import RequestState, Row
+    from sidecar.runner.sampler import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+
+    def row(rid: str, prompt: list[int], out: list[int], num_draft: int = 0, sample: bool = True) -> Row:
+        s = RequestState(rid, prompt, greedy, [0], output_token_ids=out)
+        return Row(s, s.num_tokens - 1 - num_draft, [out[-1]] + [9] * num_draft, [0], sample, num_draft)
+
+    p = NgramProposer(3, 2, 4)
+    fresh = row("a", [10, 11, 12, 13], [14])  # no token repeats: no 2-gram can match
+    assert not p.may_draft([fresh])
+    again = row("b", [10, 11, 12, 13], [11])  # 11 occurred before, followed by 12
+    assert p.may_draft([again]) and p.may_draft([fresh, again])
+    assert p.may_draft([row("c", [10, 11, 12], [13], num_draft=2)])  # verifying
+    assert not p.may_draft([row("d", [10, 11, 12], [11], sample=False)])  # a prefill chunk: no new token
+    # propose agrees: nothing for `fresh` whatever it samples next.
+    class _R:
+        max_model_len = 1 << 20
+    assert p.propose(_R(), [fresh], [[15]]) == set() and p.propose(_R(), [again], [[12]]) == {"b"}
+    p.paces["b"].wait = 2  # paused after rejections: no drafts until the pause ends
+    assert not p.may_draft([again]) and p.propose(_R(), [again], [[12]]) == set()
+
+
+def test_steps_with_nothing_to_look_up_sample_lazily_as_without_a_proposer(make_worker, oracle_model) -> None:
+    """A proposer costs no eager sampling where it cannot draft: decode steps of a request whose
+    text has nothing to match take the lazy argmax path (the sampler is not called, the next
+    decode is queued behind it), and the output stays mlx-lm's greedy output. Negative control:
+    prompt_lookup_min 1 (any repeated token may match) samples eagerly on every step."""
+    rng = random.Random(11)
+    prompt = rng.sample(range(3, 500), 24)  # distinct tokens
+    want = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 12)[0]
+    eager = {}
+    for n_min in (4, 1):
+        w = make_worker(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=n_min,
+                        prompt_lookup_max=4)
+        calls = []
+        sample = w.runner.sampler.sample
+        w.runner.sampler.sample = lambda *a, **k: calls.append(1) or sample(*a, **k)  # counts, then samples
+        before = w.runner.ahead_hits
+        got, d = _run(w, {"a": prompt}, 12)
+        assert got["a"] == want, n_min
+        eager[n_min] = (len(calls), len(d.tokens_per_step), w.runner.ahead_hits - before)
+    calls4, steps4, hits4 = eager[4]
+    assert calls4 == 0 and hits4 > steps4 // 2, eager  # every step lazy, the queued decodes used
+    assert eager[1][0] > eager[1][1] // 2, eager  # every step that verified no drafts: eager
