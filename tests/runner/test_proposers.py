@@ -213,3 +213,55 @@ def test_steps_with_nothing_to_look_up_sample_lazily_as_without_a_proposer(make_
     calls4, steps4, hits4 = eager[4]
     assert calls4 == 0 and hits4 > steps4 // 2, eager  # every step lazy, the queued decodes used
     assert eager[1][0] > eager[1][1] // 2, eager  # every step that verified no drafts: eager
+
+
+def test_drafting_pauses_where_drafts_fail_through_a_real_server(home: str, oracle_model) -> None:
+    """Through a real server (take_draft_token_ids over HTTP), two greedy requests batched: one
+    whose text the model does not copy, where drafts keep failing and the proposer pauses (fewer
+    drafted steps than steps lookup could draft for), and one the model copies exactly, never
+    paused (the control). Both are mlx-lm's greedy tokens; the metrics show accepted drafts."""
+    from sidecar.client import RemoteWorker
+    from sidecar.runner.ngram import ngram_drafts
+    from tests.server.serverproc import start_server
+    from tests.server.test_metrics import samples, scrape
+
+    import numpy as np
+
+    def pattern(seed: int, vocab: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(3, vocab) for _ in range(7)] * 4
+
+    with start_server("--speculative-method", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-min", "1",
+                      "--prompt-lookup-max", "4", "--max-num-batched-tokens", "64", "--max-num-seqs", "4") as s:
+        w = RemoteWorker(s.url)
+        try:
+            w.init_device()
+            w.load_model()
+            w.initialize_cache(num_gpu_blocks=128)
+            V = int(w.info()["vocab_size"])
+            prompts = {"fails": pattern(0, V), "copies": pattern(3, V)}
+            seen = {rid: [0, 0] for rid in prompts}  # steps lookup could draft for, steps drafted for
+
+            def take() -> dict | None:
+                got = w.take_draft_token_ids()
+                drafted = set(got["req_ids"]) if got else set()
+                for rid, r in d.reqs.items():
+                    if r.out and r.rid in seen and len(r.out) < 40 - 1:
+                        seen[rid][0] += bool(ngram_drafts(np.asarray(r.prompt + r.out, np.int32), 1, 4, 2))
+                        seen[rid][1] += rid in drafted
+                return got
+
+            d = SpecDriver(lambda so: w.call("execute_model", scheduler_output=so), w.info()["block_size"], 128, take=take)
+            for rid, p in prompts.items():
+                d.add(rid, p)
+            got = d.run(40, 16)
+            oracle = oracle_model("builtin:tiny")
+            for rid, p in prompts.items():
+                assert got[rid] == mlx_lm_greedy(oracle, p, 40)[0], rid
+            m = samples(scrape(s.url))
+        finally:
+            w.close()
+    assert m[("mlx_worker_spec_decode_accepted_tokens_total", ())] > 0
+    lookups, drafted = seen["fails"]
+    assert 0 < drafted < lookups - 4, seen  # paused on several steps lookup could have drafted for
+    assert 0 < seen["copies"][1] == seen["copies"][0], seen  # every lookup drafted, never paused
