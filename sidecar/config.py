@@ -12,7 +12,7 @@ from typing import Any
 class Config:
     # model
     model: str = "builtin:tiny"
-    kv_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16 | float32
+    kv_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16 | float32 | 8bit | 4bit (quantised)
     max_model_len: int = 0  # 0: from the model's config (max_position_embeddings), capped at 32768
     seed: int = 0
     # device and memory
@@ -92,7 +92,8 @@ class Config:
             ("max_live_requests", self.max_live_requests >= 1, "must be >= 1"),
             ("max_req_id_len", 1 <= self.max_req_id_len <= 1 << 20, "must be in [1, 2^20]"),
             ("max_model_len", self.max_model_len >= 0, "must be >= 0"),
-            ("kv_dtype", self.kv_dtype in ("auto", "float16", "bfloat16", "float32"), "auto|float16|bfloat16|float32"),
+            ("kv_dtype", self.kv_dtype in ("auto", "float16", "bfloat16", "float32", "8bit", "4bit"),
+             "must be auto|float16|bfloat16|float32|8bit|4bit"),
             ("device", self.device in ("auto", "gpu", "cpu"), "must be auto, gpu or cpu"),
             ("log_format", self.log_format in ("text", "json"), "must be text or json"),
             ("max_queue", self.max_queue >= 1, "must be >= 1"),

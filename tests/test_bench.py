@@ -30,6 +30,10 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     assert not bad, f"missing or non-finite: {bad}"
     assert doc["profile"] == "tiny" and doc["model"] == "builtin:tiny"
     assert doc["mlx_version"] and doc["mlx_lm_version"] and doc["machine"]["cpu_count"]
+    # The BLAS, named in the head; the servers mapped the one this process (mlx-lm) multiplies with.
+    blas = doc["machine"]["blas"]
+    assert f"BLAS {blas['name']}" in out.splitlines()[0]
+    assert blas["path"] is None or blas["path"] in doc["machine"]["server_blas_libraries"], doc["machine"]
     assert doc["single_stream_tokens_match"] == 1.0  # same model, greedy: the same tokens on both sides
     assert doc["prefix_cached_tokens"] >= doc["prefix_len"] - 16  # the warm request really hit the cache
     sweep = doc["sweep"]
@@ -50,6 +54,8 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     for n in curve["context"]:
         assert doc[f"long_ctx_{n}_tokens_match"] == 1.0  # after the cached context, the same tokens
         assert math.isfinite(doc[f"long_ctx_{n}_ratio"]) and doc[f"long_ctx_{n}_ratio"] > 0
+    assert doc["long_ctx_200_kv8_tokens_match"] == 1.0  # --kv-dtype 8bit: mlx-lm's 8-bit-KV tokens
+    assert doc["long_ctx_200_kv8_ratio"] > 0 and doc["long_ctx_200_kv8_vs_fp_sidecar"] > 0
     assert "decode against context" in out
     assert f"json: {json_path}" in out
     pytest.importorskip("matplotlib")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sidecar import blas
-from sidecar.bench import report, scenarios, spec, workloads
+from sidecar.bench import pool_sampling, report, scenarios, spec, workloads
 from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
 from sidecar.bench.report import REQUIRED_KEYS, table
@@ -153,22 +153,25 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
         sides.append(side)
         return side
 
-    pairs: dict[str, tuple[SidecarSide, MlxLmSide]] = {}
+    pairs: dict[tuple[str, str], tuple[SidecarSide, MlxLmSide]] = {}
 
-    def pair_for(model: str, blocks: int) -> tuple[SidecarSide, MlxLmSide]:
-        """Both sides on another model (the main pair when it is the bench's own model)."""
-        if model == params.model:
+    def pair_for(model: str, blocks: int, kv_dtype: str = "auto") -> tuple[SidecarSide, MlxLmSide]:
+        """Both sides on another model (the main pair when it is the bench's own model); a
+        kv_dtype other than auto gets its own server (mlx-lm's side is shared)."""
+        if model == params.model and kv_dtype == "auto":
             return sidecar, mlx
-        if model not in pairs:
+        if (model, kv_dtype) not in pairs:
             model_path = resolve_model(model, params.home)
             server = ServerProcess(model, params.home, log_dir=log_dir.name, extra={
-                "max_num_seqs": 4, "max_num_batched_tokens": params.max_num_batched_tokens})
+                "max_num_seqs": 4, "max_num_batched_tokens": params.max_num_batched_tokens,
+                **({"kv_dtype": kv_dtype} if kv_dtype != "auto" else {})})
             servers.append(server)
             server.start()
             side = SidecarSide(server, blocks, max_num_seqs=4, max_num_batched_tokens=params.max_num_batched_tokens)
             sides.append(side)
-            pairs[model] = (side, MlxLmSide(model_path))
-        return pairs[model]
+            other = next((m for (name, _), (_, m) in pairs.items() if name == model), None)
+            pairs[model, kv_dtype] = (side, other or (mlx if model == params.model else MlxLmSide(model_path)))
+        return pairs[model, kv_dtype]
 
     try:
         log(f"profile {params.profile}: starting the sidecar server ({params.model}) and loading mlx-lm")
@@ -184,10 +187,10 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
             ("rpc batch 1", lambda: scenarios.rpc_batch1_run(b)),
             ("batch", lambda: scenarios.batch32(b)),
             ("sweep", lambda: scenarios.sweep(b)),
-            ("sampling", lambda: scenarios.sampling(b)),
+            ("sampling", lambda: pool_sampling.sampling(b)),
             ("prefix", lambda: scenarios.prefix_ttft(b)),
             ("rpc overhead", lambda: scenarios.rpc_overhead(b)),
-            ("pool_size", lambda: scenarios.pool_size(b, make_side)),
+            ("pool_size", lambda: pool_sampling.pool_size(b, make_side)),
             ("tiny single stream", lambda: workloads.tiny_single_stream(b, pair_for)),
             ("long context", lambda: workloads.long_context(b, pair_for)),
             ("speculative", lambda: spec.speculative(b, make_side)),

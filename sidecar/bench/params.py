@@ -77,6 +77,7 @@ class BenchParams:
     long_new_tokens: int = 32
     long_repeats: int = 3
     long_blocks: int = 1280  # the long-context server's pool (block_size 16): 16384 + decode fits
+    long_kv8_context: int = 4096  # also decoded with 8-bit KV (kv_dtype 8bit) at this context (0: not)
     # 7. speculative decoding (spec.py): one greedy stream, n-gram proposer on vs off.
     spec_prompt_len: int = 64
     spec_new_tokens: int = 128
@@ -141,7 +142,8 @@ def tiny(**kw: object) -> BenchParams:
         sampling_prompt_len=2, sampling_steps=3, sampling_repeats=1,
         sweep_concurrency=(1, 2, 4), sweep_prompt_len=4, sweep_new_tokens=3, warmup_new_tokens=2,
         tiny_prompt_len=8, tiny_new_tokens=6, tiny_repeats=1,
-        long_model="builtin:tiny", long_contexts=(64, 200), long_new_tokens=4, long_repeats=1, long_blocks=64,
+        long_model="builtin:tiny-kv64", long_contexts=(64, 200), long_new_tokens=4, long_repeats=1, long_blocks=64,
+        long_kv8_context=200,
         spec_prompt_len=8, spec_new_tokens=8, spec_repeats=1, spec_candidates=2, spec_probe_tokens=4,
         vllm=False,  # vLLM's start-up alone takes about a minute
     ).replace(**kw)

@@ -10,6 +10,9 @@
   each sees the same block tables (reusing one scheduler instead would leave the previous
   repeat's generated blocks cached right behind the prompt's, and the tail lands elsewhere).
 
+At `long_kv8_context` the same runs on a server with `--kv-dtype 8bit` against mlx-lm with a
+QuantizedKVCache of 8 bits (`long_ctx_<n>_kv8_*`; `*_vs_fp_*`: each side's 8-bit / full-precision rate).
+
 The tiny stream is also run with two steps in flight (`*_pipelined_*`: one pipelined connection;
 `*_pipelined_2conn_*`: two connections).
 
@@ -28,7 +31,7 @@ from sidecar.bench.cpu import _own_seconds
 from sidecar.bench.scenarios import Bench, alternate, decode_rate, median
 from sidecar.bench.sides import MlxLmSide, RunResult, SidecarSide, requests_for
 
-PairFor = Callable[[str, int], tuple[SidecarSide, MlxLmSide]]
+PairFor = Callable[..., tuple[SidecarSide, MlxLmSide]]  # (model, blocks[, kv_dtype])
 
 
 def _pairs(b: Bench, label: str, repeats: int, sidecar: SidecarSide, sidecar_run: Callable[[], RunResult],
@@ -98,14 +101,20 @@ def tiny_single_stream(b: Bench, pair_for: PairFor) -> None:
         b.raw[f"{key}_pair_ratios"] = piped["pair_ratios"]
 
 
-def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int) -> Callable[[int], RunResult]:
+def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int,
+                       kv_bits: int | None = None) -> Callable[[int], RunResult]:
     """mlx-lm with the first `cached` context tokens prefilled once (what the sidecar's prefix
     cache holds: its full blocks short of the last token); each call prefills the rest, decodes,
-    and trims the cache back (stream_generate on the uncached tail with the prompt cache)."""
+    and trims the cache back (stream_generate on the uncached tail with the prompt cache).
+    `kv_bits`: a QuantizedKVCache from the first token (the sidecar's kv_dtype 8bit/4bit)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, trim_prompt_cache
 
     cache = make_prompt_cache(mlx.model)
+    quant: dict[str, Any] = {}
+    if kv_bits:
+        cache = [QuantizedKVCache(64, kv_bits) if type(c) is KVCache else c for c in cache]
+        quant = {"kv_bits": kv_bits, "kv_group_size": 64, "quantized_kv_start": 0}
     for i in range(0, cached, 2048):  # mlx-lm's own prefill step size
         mlx.model(mx.array(prompt[i : min(i + 2048, cached)])[None], cache=cache)
         mx.eval([c.state for c in cache])
@@ -118,7 +127,8 @@ def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int) -> Callab
         toks: list[int] = []
         times: list[float] = []
         t0 = perf()
-        for r in stream_generate(mlx.model, mlx.tokenizer, prompt[base:], max_tokens=new_tokens, prompt_cache=cache):
+        for r in stream_generate(mlx.model, mlx.tokenizer, prompt[base:], max_tokens=new_tokens, prompt_cache=cache,
+                                 **quant):
             times.append(perf() - t0)
             toks.append(int(r.token))
         trim_prompt_cache(cache, cache[0].offset - base)
@@ -127,27 +137,33 @@ def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int) -> Callab
     return run
 
 
+def _long_pairs(b: Bench, sidecar: SidecarSide, mlx: MlxLmSide, n: int, kv_bits: int | None = None,
+                label: str = "") -> dict[str, Any]:
+    p = b.params
+    label = label or f"long_ctx {n}"
+    prompt = b.prompt(n)
+    # Prefill once per side: the sidecar's scheduler keeps the prompt's full blocks cached.
+    res, sched = sidecar.run(requests_for([prompt], 1), tag=f"long{n}_prefill")
+    mlx_run = _mlx_cached_decode(mlx, prompt, (n - 1) // sidecar.block_size * sidecar.block_size, kv_bits)
+    mlx_run(2)  # warm
+
+    def side_run() -> RunResult:
+        reqs = requests_for([prompt], p.long_new_tokens)
+        r = sidecar.run(reqs, tag=f"long{n}", scheduler=copy.deepcopy(sched))[0]
+        if reqs[0].num_cached_tokens != (n - 1) // sidecar.block_size * sidecar.block_size:  # as mlx-lm's
+            b.notes.append(f"{label}: only {reqs[0].num_cached_tokens} context tokens were cached")
+        return r
+
+    side_run()  # warm (and check the cache hit)
+    return _pairs(b, label, p.long_repeats, sidecar, side_run, lambda: mlx_run(p.long_new_tokens), p.long_new_tokens)
+
+
 def long_context(b: Bench, pair_for: PairFor) -> None:
     p = b.params
     sidecar, mlx = pair_for(p.long_model, p.long_blocks)
     curve: dict[str, list] = {"context": [], "sidecar_tok_s": [], "mlx_lm_tok_s": [], "ratio": [], "cpu_ratio": []}
     for n in p.long_contexts:
-        prompt = b.prompt(n)
-        # Prefill once per side: the sidecar's scheduler keeps the prompt's full blocks cached.
-        res, sched = sidecar.run(requests_for([prompt], 1), tag=f"long{n}_prefill")
-        mlx_run = _mlx_cached_decode(mlx, prompt, (n - 1) // sidecar.block_size * sidecar.block_size)
-        mlx_run(2)  # warm
-
-        def side_run(n: int = n, prompt: list[int] = prompt, sched: Any = sched) -> RunResult:
-            reqs = requests_for([prompt], p.long_new_tokens)
-            r = sidecar.run(reqs, tag=f"long{n}", scheduler=copy.deepcopy(sched))[0]
-            if reqs[0].num_cached_tokens != (n - 1) // sidecar.block_size * sidecar.block_size:  # as mlx-lm's
-                b.notes.append(f"long_ctx {n}: only {reqs[0].num_cached_tokens} context tokens were cached")
-            return r
-
-        side_run()  # warm (and check the cache hit)
-        got = _pairs(b, f"long_ctx {n}", p.long_repeats, sidecar, side_run, lambda: mlx_run(p.long_new_tokens),
-                     p.long_new_tokens)
+        got = _long_pairs(b, sidecar, mlx, n)
         b.results.update({f"long_ctx_{n}_ratio": got["ratio"], f"long_ctx_{n}_sidecar_tok_s": got["sidecar_tok_s"],
                           f"long_ctx_{n}_mlx_lm_tok_s": got["mlx_lm_tok_s"],
                           f"long_ctx_{n}_tokens_match": got["tokens_match"], f"long_ctx_{n}_cpu_ratio": got["cpu_ratio"],
@@ -159,3 +175,18 @@ def long_context(b: Bench, pair_for: PairFor) -> None:
             curve[k].append(v)
     b.results["long_model"] = p.long_model
     b.raw["long_ctx_curve"] = curve
+    n = p.long_kv8_context
+    if n:  # 8-bit KV (kv_dtype 8bit) on a second server, against mlx-lm with the same KV quantisation
+        side8, mlx8 = pair_for(p.long_model, p.long_blocks, "8bit")
+        got = _long_pairs(b, side8, mlx8, n, kv_bits=8, label=f"long_ctx {n} kv8")
+        key = f"long_ctx_{n}_kv8"
+        b.results.update({f"{key}_ratio": got["ratio"], f"{key}_sidecar_tok_s": got["sidecar_tok_s"],
+                          f"{key}_mlx_lm_tok_s": got["mlx_lm_tok_s"], f"{key}_tokens_match": got["tokens_match"],
+                          f"{key}_cpu_ratio": got["cpu_ratio"],
+                          f"{key}_sidecar_cpu_ms_per_token": got["sidecar_cpu_ms_per_token"],
+                          f"{key}_mlx_lm_cpu_ms_per_token": got["mlx_lm_cpu_ms_per_token"]})
+        fp = b.results.get(f"long_ctx_{n}_sidecar_tok_s")
+        if fp:  # the sidecar's kv8 / fp decode rate, and mlx-lm's
+            b.results[f"{key}_vs_fp_sidecar"] = got["sidecar_tok_s"] / fp
+            b.results[f"{key}_vs_fp_mlx_lm"] = got["mlx_lm_tok_s"] / b.results[f"long_ctx_{n}_mlx_lm_tok_s"]
+        b.raw[f"{key}_pair_ratios"] = got["pair_ratios"]

@@ -71,6 +71,8 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     # tests' pipeline-parallel model. 4 heads, 2 KV heads and 2 layers split evenly over 2 ranks.
     # Untied: with tied embeddings these random weights mostly repeat the input token.
     "tiny-qwen2": replace(_TINY, model_type="qwen2"),
+    # Heads of 64: mlx-lm's KV quantisation (group size 64) applies (the kv_dtype 8bit/4bit tests).
+    "tiny-kv64": replace(_TINY, head_dim=64),
     # Sized so one batch-1 decode step (1 token, ~100 cached) costs ~34 ms on a 2-core x86 CPU
     # (>= 20 ms wanted), with a 32000-row vocabulary padded past the tokenizer like real models.
     "small": BuiltinSpec(

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from sidecar.runner.kv_cache import BatchLayout, KVPool, PagedCache
+from sidecar.runner.kv_quant import QuantizedPagedCache
 from sidecar.runner.kv_spec import STATE, ModelCaches
 from sidecar.runner.requests import Row
 from sidecar.runner.state_cache import gather_state, store_state
@@ -51,7 +52,7 @@ def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: S
             if key not in layouts:
                 layouts[key] = build(starts, lengths, [t[g] for t in tables], pool.block_size, pool.sink,
                                      window=spec.sliding_window, chunk=spec.attention_chunk_size, scalar=scalar)
-            c = PagedCache(pool, leaf, layouts[key], mc.mask_5d)
+            c = (QuantizedPagedCache if spec.kv_bits else PagedCache)(pool, leaf, layouts[key], mc.mask_5d)
         adapters.append(c)
     cache_list = [adapters[s] if isinstance(s, int) else CacheList(*(adapters[j] for j in s)) for s in mc.structure]
 

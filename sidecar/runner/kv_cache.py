@@ -51,6 +51,12 @@ class KVPool:
                 self.values.append(None)
                 self.states.append([mx.zeros((num_blocks + 1, *shape), DTYPES[d])
                                     for shape, d in zip(s.state_shapes, s.state_dtypes)])
+            elif s.kv_bits:  # quantised: [data, scales, biases] per leaf (kv_quant.py)
+                from sidecar.runner import kv_quant
+
+                self.keys.append(kv_quant.zeros(s, slots, s.head_size))  # type: ignore[arg-type]
+                self.values.append(kv_quant.zeros(s, slots, s.head_size_v))  # type: ignore[arg-type]
+                self.states.append(None)
             else:
                 self.keys.append(mx.zeros((1, s.num_kv_heads, slots, s.head_size), DTYPES[s.dtype]))
                 self.values.append(mx.zeros((1, s.num_kv_heads, slots, s.head_size_v), DTYPES[s.dtype]))
@@ -62,7 +68,8 @@ class KVPool:
         return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        return ([a for a in self.keys + self.values if a is not None]
+        return ([a for leaf in self.keys + self.values if leaf is not None
+                 for a in (leaf if isinstance(leaf, list) else (leaf,))]  # per step: no call per leaf
                 + [a for st in self.states if st is not None for a in st])
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -81,8 +88,15 @@ class KVPool:
             within = np.arange(bs)
             src = mx.array(np.concatenate([c[0] * bs + within for c in copies]).astype(np.int32))
             dst = mx.array(np.concatenate([c[1] * bs + within for c in copies]).astype(np.int32))
-            for a in (self.keys[i], self.values[i]):  # head-major [1, H, slots, D]
+            for a in _parts(self.keys[i]) + _parts(self.values[i]):  # head-major [1, H, slots, D]
                 a[:, :, dst] = a[:, :, src]
+
+
+def _parts(leaf: mx.array | list[mx.array] | None) -> list[mx.array]:
+    """A K or V leaf's arrays: none, one, or three (quantised: data, scales, biases)."""
+    if leaf is None:
+        return []
+    return list(leaf) if isinstance(leaf, list) else [leaf]
 
 
 @dataclass

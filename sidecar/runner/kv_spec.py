@@ -41,6 +41,7 @@ class LayerSpec:
     state_shapes: tuple[tuple[int, ...], ...] = ()  # state: per request, one per state array
     state_dtypes: tuple[str, ...] = ()
     name: str = ""
+    kv_bits: int | None = None  # quantised K/V (kv_dtype 8bit/4bit: kv_quant.py); dtype is then the scales'
 
     @property
     def type(self) -> str:
@@ -61,6 +62,10 @@ class LayerSpec:
     def page_size_bytes(self) -> int:
         if self.kind == STATE:
             return sum(math.prod(s) * DTYPE_BYTES[d] for s, d in zip(self.state_shapes, self.state_dtypes))
+        if self.kv_bits:
+            from sidecar.runner.kv_quant import page_bytes
+
+            return page_bytes(self)
         return self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v) * DTYPE_BYTES[self.dtype]
 
     def to_wire(self) -> dict:
@@ -74,6 +79,10 @@ class LayerSpec:
                      kv_lora_rank=self.head_size, qk_rope_head_dim=self.head_size_v)
         if self.attention_chunk_size:
             d["attention_chunk_size"] = self.attention_chunk_size
+        if self.kv_bits:  # stored as mlx-lm's QuantizedKVCache (docs/protocol.md, quantised KV cache)
+            from sidecar.runner.kv_quant import GROUP_SIZE
+
+            d["kv_quantization"] = {"bits": self.kv_bits, "group_size": GROUP_SIZE}
         if self.kind == STATE:  # vLLM's MambaSpec: one state slot per request, no prefix caching
             d.update(num_kv_heads=0, head_size=0, head_size_v=0, shapes=[list(s) for s in self.state_shapes],
                      dtypes=list(self.state_dtypes), prefix_caching=False)
@@ -185,6 +194,9 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
     except Exception as e:  # a model mlx-lm itself cannot run: refuse rather than fail later
         raise UnsupportedModel(f"the model's own probe forward failed: {type(e).__name__}: {e}", field="model") from None
 
+    from sidecar.runner import kv_quant
+
+    bits = kv_quant.bits_of(kv_dtype)
     lora = _model_arg(model, "kv_lora_rank")
     specs: list[LayerSpec] = []
     state_entries: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -210,11 +222,13 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
                                        f"(shared or skipped KV layers are not supported)", field="model")
             _, H, _, D = c.keys.shape
             Dv = c.values.shape[-1]
-            dtype = kv_dtype or dtype_name(c.keys.dtype)
+            dtype = kv_dtype if kv_dtype in DTYPE_BYTES else dtype_name(c.keys.dtype)
             kind = MLA if lora and H == 1 and D == lora else ATTENTION
             window = c.max_size if isinstance(c, RotatingKVCache) else None
             chunk = c.chunk_size if isinstance(c, ChunkedKVCache) else None
             spec = LayerSpec(block_size, H, D, Dv, dtype, window, kind, chunk)
+            if bits:
+                spec = kv_quant.quantized(spec, i, bits)
         role = "mixer" if spec.kind == STATE else "self_attn"
         counts[(i, role)] = counts.get((i, role), 0) + 1
         specs.append(spec)
@@ -226,6 +240,8 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
         seen[(i, role)] = n + 1
         name = f"model.layers.{i}.{role}" + (f".{n}" if counts[(i, role)] > 1 else "")
         specs[j] = _named(specs[j], name)
+    if bits:
+        kv_quant.probe(model, bits)
     return ModelCaches(
         specs, structure, [c for _, _, c in leaves], state_entries,
         scalar_offsets=any(isinstance(c, ChunkedKVCache) for _, _, c in leaves),
