@@ -4,7 +4,7 @@ A step verifying j drafts computes j + 1 tokens per row. On a GPU, or on a CPU w
 BLAS, that costs little more than one decode step; with the reference BLAS the mlx[cpu] Linux
 wheel bundles every matmul row costs the same again, so j drafts cost about j + 1 decode steps and
 cannot pay even when all are accepted (README, "Speculative decoding and the CPU BLAS"). The n-gram
-proposer measures that cost once on the model (a forward of 1 and of k + 1 tokens, best of a few,
+proposer measures that cost once on the model (a forward of 1 and of k + 1 tokens, best of 5,
 no cache: the matmuls a verify step adds), counts each request's accepted drafts, and drafts j
 tokens only where the expected tokens per step, 1 + a + .. + a^j at acceptance rate a, beat the
 step's relative cost 1 + extra * j. The cost leaves out what a step costs whatever it computes (the
@@ -29,7 +29,7 @@ class VerifyCost:
         return 1.0 + self.extra * j
 
 
-def measure(model: Any, k: int, reps: int = 3) -> VerifyCost:
+def measure(model: Any, k: int, reps: int = 5) -> VerifyCost:
     """The model's verify cost at k drafts: forwards of 1 and k + 1 tokens, interleaved, the
     fastest of each (a shared machine only ever makes a run slower)."""
     shapes = (1, k + 1)
