@@ -252,20 +252,22 @@ class ModelRunner:
         self.last_stats.seconds = time.perf_counter() - p.started
         return result
 
-    def _start_ahead(self, rows: list[Row], tokens: mx.array,
-                     skip: set[str] = frozenset()) -> tuple[list[int], mx.array] | None:
+    def _start_ahead(self, rows: list[Row], tokens: mx.array, skip: set[str] = frozenset(),
+                     at: list[int] | None = None) -> tuple[list[int], mx.array] | None:
         """Queue the forward of the likely next decode step (see _Ahead) on this step's tokens
         [rows], which may still be lazy: then it follows the sampling without a gap, as mlx-lm's
-        generate loop does. Returns the rows it covers and its logits."""
+        generate loop does. Returns the rows it covers and its logits. `at`: each row's next
+        position (r.end unless it verified drafts: after its accepted ones, spec_decode.py)."""
         bs = self.pool.block_size  # type: ignore[union-attr]
-        # Rows that verified drafts (their next position is not r.end) or got new drafts (their
-        # next step is not a plain decode) are left out.
-        idx = [i for i, r in enumerate(rows) if r.sample and not r.num_draft and r.state.req_id not in skip
-               and r.end < len(r.block_ids) * bs and r.end < self.max_model_len
-               and len(r.state.output_token_ids) + 1 < (r.state.sampling_params.max_tokens or 1 << 62)]
+        at = at or [r.end for r in rows]
+        # Rows that got new drafts (their next step is not a plain decode) are left out.
+        idx = [i for i, r in enumerate(rows) if r.sample and (at[i] < r.end or not r.num_draft)
+               and r.state.req_id not in skip and at[i] < len(r.block_ids) * bs and at[i] < self.max_model_len
+               and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
+               < (r.state.sampling_params.max_tokens or 1 << 62)]
         if not idx:
             return None
-        nxt = [Row(rows[i].state, rows[i].end, [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
+        nxt = [Row(rows[i].state, at[i], [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
                for i in idx]
         last: list[mx.array | None] = [None] * len(nxt)
         nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
@@ -344,13 +346,16 @@ class ModelRunner:
             res = self.sampler.sample(logits, sample_rows)
             mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
         drafted = self._propose(rows, res, verified) if propose else set()
-        if start_ahead and not lazy and (verified is None or not all(r.num_draft for r in rows)):
-            started = self._start_ahead(rows, mx.array(res.token_ids, dtype=mx.int32), drafted)
+        # A row that verified drafts decodes its last token next, after the accepted ones.
+        last_tok = res.token_ids if verified is None else [t[-1] if t else 0 for t in verified.token_ids]
+        at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
+              for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
+        if start_ahead and not lazy:
+            started = self._start_ahead(rows, mx.array(last_tok, dtype=mx.int32), drafted, at)
         if started is not None:
             bs = self.pool.block_size
             idx, ahead_logits = started
-            self._ahead = _Ahead({rows[i].state.req_id: (rows[i].end, int(res.token_ids[i]),
-                                                         _blocks_key(rows[i], rows[i].end // bs + 1), j)
+            self._ahead = _Ahead({rows[i].state.req_id: (at[i], int(last_tok[i]), _blocks_key(rows[i], at[i] // bs + 1), j)
                                   for j, i in enumerate(idx)}, ahead_logits)
 
         now = time.monotonic()
