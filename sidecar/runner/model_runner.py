@@ -340,6 +340,10 @@ class ModelRunner:
             mx.async_eval(tokens, nans, self.pool.arrays())
             started = self._start_ahead(rows, tokens)
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
+        elif grammar is None and all(_plain_greedy(r) for r in rows):  # argmax is the whole sampler
+            tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
+            mx.eval(tokens, nans, self.pool.arrays())
+            res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
         else:
             sample_rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
                            for r in rows]
