@@ -73,6 +73,8 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-qwen2": replace(_TINY, model_type="qwen2"),
     # Heads of 64: mlx-lm's KV quantisation (group size 64) applies (the kv_dtype 8bit/4bit tests).
     "tiny-kv64": replace(_TINY, head_dim=64),
+    # The same heads of 64 on qwen2 (head size = hidden / heads, and pipeline()): kv_dtype 8bit scale-out.
+    "tiny-qwen2-kv64": replace(_TINY, model_type="qwen2", hidden_size=256, head_dim=64),
     # Sized so one batch-1 decode step (1 token, ~100 cached) costs ~34 ms on a 2-core x86 CPU
     # (>= 20 ms wanted), with a 32000-row vocabulary padded past the tokenizer like real models.
     "small": BuiltinSpec(

@@ -112,6 +112,15 @@ def speculative_config(sc: Any) -> dict:
                       "(the sidecar proposes the drafts itself)")
 
 
+def cache_dtype(dtype: str) -> None:
+    """vLLM's --kv-cache-dtype: its formats (fp8, int8_per_token_head, ...) are not the sidecar's.
+    The sidecar's own quantised cache is chosen where it runs, and vLLM then counts its blocks."""
+    if dtype != "auto":
+        raise Unsupported(f"--kv-cache-dtype {dtype} is not supported through the MLX sidecar: leave it at auto and "
+                          "start the sidecar with --kv-dtype 8bit or 4bit (mlx-lm's quantised KV cache; vLLM "
+                          "sizes its pool by the sidecar's quantised page size)")
+
+
 def grammar_output(g: GrammarOutput | None) -> dict | None:
     if g is None:
         return None
@@ -142,17 +151,35 @@ def model_runner_output(d: dict) -> ModelRunnerOutput:
 
 
 def kv_cache_spec(wire: dict[str, dict]) -> dict[str, KVCacheSpec]:
+    """vLLM specs whose page size is the sidecar's exact `page_size_bytes`: vLLM counts blocks with
+    it (available memory // the sum over layers), the attention itself runs in the sidecar."""
     out: dict[str, KVCacheSpec] = {}
     for name, s in wire.items():
         common = dict(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"], head_size=s["head_size"],
                       head_size_v=s["head_size_v"], dtype=TORCH_DTYPES[s["dtype"]])
+        if s.get("kv_quantization"):
+            common["state_content_bytes"] = _packed_bytes(name, s)
         if s["type"] == "sliding_window":
             out[name] = SlidingWindowSpec(sliding_window=s["sliding_window"], **common)
         elif s["type"] == "full_attention":
             out[name] = FullAttentionSpec(**common)
         else:
             raise Unsupported(f"layer {name}: KV cache type {s['type']!r} has no vLLM spec here")
+        if "page_size_bytes" in s and out[name].page_size_bytes != s["page_size_bytes"]:
+            raise Unsupported(f"layer {name}: vLLM's page size {out[name].page_size_bytes} differs from the "
+                              f"sidecar's {s['page_size_bytes']} bytes (vLLM would count the wrong number of blocks)")
     return out
+
+
+def _packed_bytes(name: str, s: dict) -> int:
+    """A quantised layer (kv_dtype 8bit/4bit): bytes per (KV head, token), packed K and V data plus
+    their scales and biases. `state_content_bytes` is vLLM's own field for packed pages (its
+    quantised attention backends set it); vLLM's page is then num_kv_heads * block_size of these."""
+    cells = s["block_size"] * s["num_kv_heads"]
+    if cells <= 0 or s["page_size_bytes"] % cells:
+        raise Unsupported(f"layer {name}: quantised page of {s['page_size_bytes']} bytes is not "
+                          f"{s['num_kv_heads']} KV heads x {s['block_size']} tokens of whole bytes")
+    return s["page_size_bytes"] // cells
 
 
 def kv_cache_config(c: KVCacheConfig) -> dict:

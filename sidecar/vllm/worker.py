@@ -79,6 +79,7 @@ class MLXSidecarWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
         mc, cc, sc = self.model_config, self.cache_config, self.scheduler_config
+        convert.cache_dtype(cc.cache_dtype)
         config = {"block_size": cc.block_size, "max_model_len": mc.max_model_len, "max_num_seqs": sc.max_num_seqs,
                   "max_num_batched_tokens": sc.max_num_batched_tokens, "max_logprobs": mc.max_logprobs}
         if mc.seed is not None:

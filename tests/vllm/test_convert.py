@@ -113,3 +113,21 @@ def test_speculative_config_becomes_init_device_overrides_or_a_named_refusal() -
     for method in ("eagle", "suffix", "mtp"):
         with pytest.raises(convert.Unsupported, match=f"method '{method}' is not supported through the MLX sidecar"):
             convert.speculative_config(SimpleNamespace(method=method))
+
+
+def test_quantised_specs_give_vllm_the_sidecars_exact_page_size() -> None:
+    q8 = {"type": "full_attention", "block_size": 16, "num_kv_heads": 2, "head_size": 64, "head_size_v": 64,
+          "dtype": "float32", "sliding_window": None, "page_size_bytes": 16 * 2 * 2 * (64 + 8),
+          "kv_quantization": {"bits": 8, "group_size": 64}}
+    spec = convert.kv_cache_spec({"l0": q8})["l0"]
+    assert isinstance(spec, FullAttentionSpec) and spec.page_size_bytes == 4608
+    assert spec.state_content_bytes == 2 * (64 + 8) and spec.dtype == torch.float32  # the scales' dtype
+    unquantised = {k: v for k, v in q8.items() if k != "kv_quantization"}  # control: the same spec unquantised
+    with pytest.raises(convert.Unsupported, match="page size 16384 differs from the sidecar's 4608"):
+        convert.kv_cache_spec({"l0": unquantised})
+    with pytest.raises(convert.Unsupported, match="not 2 KV heads x 16 tokens of whole bytes"):
+        convert.kv_cache_spec({"l0": {**q8, "page_size_bytes": 4609}})
+    convert.cache_dtype("auto")
+    for dtype in ("fp8", "int8_per_token_head"):
+        with pytest.raises(convert.Unsupported, match=f"--kv-cache-dtype {dtype} .* --kv-dtype 8bit or 4bit"):
+            convert.cache_dtype(dtype)
