@@ -106,3 +106,19 @@ def test_reexec_restarts_once_with_the_library_bound() -> None:
     assert got["blas"]["preloaded"] and got["blas"]["path"] == os.path.realpath(lib)
     (plain,) = probe(None, "bundled")  # serve's default: nothing preloaded
     assert plain["preload"] is None and not plain["blas"]["preloaded"]
+
+
+@pytest.mark.skipif(not CPU_LINUX, reason="LD_PRELOAD and the bundled BLAS: Linux")
+def test_serve_restarts_with_the_chosen_blas_and_serves(home: str) -> None:
+    """`MLX_SIDECAR_BLAS=<library> mlx-sidecar serve`: the same process (pid) restarted with the
+    library preloaded, and it serves; without the variable serve preloads nothing (other tests)."""
+    import httpx
+
+    from tests.server.serverproc import start_server
+
+    lib = _bundled()
+    with start_server(env={blas.ENV: lib, "LD_PRELOAD": None}) as s:
+        assert httpx.get(f"{s.url}/healthz").status_code == 200
+        environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{s.proc.pid}/environ").read_text().split("\0") if "=" in kv)
+        assert environ.get("LD_PRELOAD") == lib and environ.get(blas.THREADS_ENV)
+        assert os.path.realpath(lib) in blas.mapped(s.proc.pid)
