@@ -261,8 +261,8 @@ class ModelRunner:
         bs = self.pool.block_size  # type: ignore[union-attr]
         at = at or [r.end for r in rows]
         # Rows that got new drafts (their next step is not a plain decode) are left out.
-        idx = [i for i, r in enumerate(rows) if r.sample and (at[i] < r.end or not r.num_draft)
-               and r.state.req_id not in skip and at[i] < len(r.block_ids) * bs and at[i] < self.max_model_len
+        idx = [i for i, r in enumerate(rows) if r.sample and r.state.req_id not in skip
+               and at[i] < len(r.block_ids) * bs and at[i] < self.max_model_len
                and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
                < (r.state.sampling_params.max_tokens or 1 << 62)]
         if not idx:
