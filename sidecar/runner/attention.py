@@ -62,14 +62,18 @@ def plan_reads(slots: np.ndarray) -> ReadPlan:
     return ReadPlan(K, None, mx.array(slots.astype(np.int32)))
 
 
-def write(pool: mx.array, slots: mx.array, new: mx.array) -> mx.array:
+def write(pool: mx.array, slots: mx.array, new: mx.array, start: int | None = None) -> mx.array:
     """Scatter new [B, H, L, D] into the pool [1, H, S, D] at slots [B * L]; returns the pool
-    (updated in place: MLX donates its buffer when nothing else holds it). One row is written
-    as it comes (one op per layer and K/V, as mlx-lm's cache update)."""
+    (updated in place: MLX donates its buffer when nothing else holds it). One row whose slots are
+    one run (`start`: the first) is a slice update, one op, as mlx-lm's cache update (an indexed
+    scatter builds a dozen small index ops around it, per layer and K/V)."""
     B, H, L, D = new.shape
     if new.dtype != pool.dtype:
         new = new.astype(pool.dtype)
-    pool[:, :, slots] = new if B == 1 else new.swapaxes(0, 1).reshape(1, H, B * L, D)
+    if start is not None:
+        pool[:, :, start : start + L] = new
+    else:
+        pool[:, :, slots] = new if B == 1 else new.swapaxes(0, 1).reshape(1, H, B * L, D)
     return pool
 
 

@@ -121,6 +121,7 @@ class BatchLayout:
     uniform: bool = False
     scalar_offset: int | None = None  # B == 1 and the model wants int offsets (llama4)
     start_position: int = 0  # the first position read (mlx-lm ChunkedKVCache.start_position)
+    write_start: int | None = None  # one row writing one run of slots: its first (a slice update)
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -160,6 +161,7 @@ class BatchLayout:
             ctx_lens=mx.array(ctx.astype(np.int32)), key_pos=mx.array(kpos.astype(np.int32)) if base.any() else None,
             valid_q=None if valid.all() else mx.array(valid), uniform=uniform,
             scalar_offset=int(starts_np[0]) if scalar and B == 1 else None, start_position=int(base[0]),
+            write_start=int(write[0, 0]) if B == 1 and attention.is_run(write[0]) else None,
         )
 
     @property
@@ -213,8 +215,8 @@ class PagedCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         pool, i, lay = self.pool, self.layer, self.layout
-        pool.keys[i] = attention.write(pool.keys[i], lay.write_slots, keys)  # type: ignore[arg-type]
-        pool.values[i] = attention.write(pool.values[i], lay.write_slots, values)  # type: ignore[arg-type]
+        pool.keys[i] = attention.write(pool.keys[i], lay.write_slots, keys, lay.write_start)  # type: ignore[arg-type]
+        pool.values[i] = attention.write(pool.values[i], lay.write_slots, values, lay.write_start)  # type: ignore[arg-type]
         k = attention.read(pool.keys[i], lay.reads, keys.dtype)  # type: ignore[arg-type]
         v = attention.read(pool.values[i], lay.reads, values.dtype)  # type: ignore[arg-type]
         self.keys, self.values = k, v  # read (and reassigned) by deepseek_v32's indexer; the pool is the truth

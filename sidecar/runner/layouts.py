@@ -42,6 +42,7 @@ class LayoutBuilder:
             offsets=mx.array(list(starts), dtype=mx.int32), write_slots=mx.array(write, dtype=mx.int32),
             reads=reads, query_pos=mx.array([[s] for s in starts], dtype=mx.int32),
             ctx_lens=mx.array(ctx, dtype=mx.int32), uniform=all(c == ctx[0] for c in ctx),
+            write_start=write[0] if B == 1 else None,
         )
 
     @staticmethod

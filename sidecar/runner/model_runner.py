@@ -4,7 +4,7 @@ A step's rows are split into decode rows (one token) and prefill chunks of simil
 run as one padded batch, so a long chunk never pads 63 decodes (or a short chunk) up to its length.
 Only the positions whose logits are needed (each row's last, plus prompt-logprob positions) go
 through the final norm and LM head. After a step, the likely next decode forward is queued
-(`_Ahead`) so it overlaps the RPC round trip.
+(ahead.py) so it overlaps the RPC round trip; outputs.py builds the step's output.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import mlx.nn as nn
 import numpy as np
 
 from sidecar.errors import ProtocolError, StateError
-from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from sidecar.protocol import ModelRunnerOutput, SchedulerOutput
+from sidecar.runner import ahead as lookahead
+from sidecar.runner.ahead import _Ahead
+from sidecar.runner.fused_ops import fuse_decode_ops
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches
@@ -26,7 +29,8 @@ from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
-from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs
+from sidecar.runner.outputs import StepStats, build_output
+from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow
 from sidecar.runner.spec_decode import SpecCounters, Verified, verify
 
 
@@ -71,20 +75,6 @@ def _padding_bounded_groups(rows: list[int], lengths: list[int], slack: float = 
 
 
 @dataclass
-class _Ahead:
-    """A decode forward started right after a step returned, for the step the scheduler will most
-    likely send next: every row that sampled decodes its new token with the same block table.
-    It runs while the response travels and the scheduler plans, and is used row by row where the
-    next step matches exactly (same request, position, token and blocks). Its only side effect is
-    the K/V of that token at that position, in a slot of the request's own last, partial block,
-    which the scheduler assigns to exactly this token, and which no other request reads before
-    writing it itself (a partial block is never prefix-cached), so a miss is harmless."""
-
-    rows: dict[str, tuple[int, int, tuple[int, ...], int]]  # req_id -> (position, token, blocks, index)
-    logits: mx.array  # [rows, vocab]
-
-
-@dataclass
 class _Pending:
     """A step whose sampling waits for `sample_tokens` (v2 two-phase step): its forward is queued."""
 
@@ -93,19 +83,6 @@ class _Pending:
     prompt_lp: dict
     restore: Any  # rolls the step's request state back
     started: float
-
-
-@dataclass
-class StepStats:
-    num_rows: int = 0
-    num_tokens: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    first_token_latencies: tuple[float, ...] = ()
-    draft_tokens: int = 0  # drafts verified in the step, and how many were accepted
-    accepted_tokens: int = 0
-    prefill_chunks: int = 0  # rows that computed a prompt chunk without sampling
 
 
 class ModelRunner:
@@ -124,6 +101,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
+        fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
         self._selection = _select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
@@ -131,6 +109,8 @@ class ModelRunner:
         self._ahead: _Ahead | None = None
         self._layouts = LayoutBuilder()
         self.ahead_hits = self.ahead_misses = 0
+        self.dispatch_after_reply = False  # set by the first after_reply(): its caller runs it after every reply
+        self._dispatch: list[mx.array] | None = None  # the decode-ahead forward, built, waiting for after_reply
         self._pending: _Pending | None = None
         self.spec = SpecCounters()
         self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
@@ -147,22 +127,37 @@ class ModelRunner:
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
+        fuse_decode_ops(model)
         self._selection = _select_before_norm(model)
         self.lora.attach(model)
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
-        self._ahead = None
+        self._ahead = self._dispatch = None
         self.model = self.lora.model = None  # type: ignore[assignment]
         self._selection = None
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
 
+    def after_reply(self) -> None:
+        """Dispatch the decode-ahead forward the last step built (ahead.py). The server's MLX thread
+        calls this once a call's reply is handed over and no other call waits; the first call
+        switches the runner to leaving that dispatch to it. Without a caller the forward is
+        dispatched in the step; one left undispatched is computed by the step that uses it."""
+        self.dispatch_after_reply = True
+        todo, self._dispatch = self._dispatch, None
+        if todo:
+            try:
+                mx.async_eval(todo)
+            except BaseException:
+                self._ahead = None  # the next step computes its rows itself
+                raise
+
     # --- pool -------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> None:
-        self._ahead = self._pending = None
+        self._ahead = self._pending = self._dispatch = None
         self.pool = None  # free the old pool before allocating the new one
         self.requests.clear()
         self.pool = KVPool(self.specs, num_blocks)
@@ -170,7 +165,7 @@ class ModelRunner:
             self.proposer.allocate(num_blocks)
 
     def free(self) -> None:
-        self._ahead = self._pending = None
+        self._ahead = self._pending = self._dispatch = None
         self.pool = None
         self.requests.clear()
         if self.proposer is not None:
@@ -252,47 +247,6 @@ class ModelRunner:
         self.last_stats.seconds = time.perf_counter() - p.started
         return result
 
-    def _start_ahead(self, rows: list[Row], tokens: mx.array, skip: set[str] = frozenset(),
-                     at: list[int] | None = None) -> tuple[list[int], mx.array] | None:
-        """Queue the forward of the likely next decode step (see _Ahead) on this step's tokens
-        [rows], which may still be lazy: then it follows the sampling without a gap, as mlx-lm's
-        generate loop does. Returns the rows it covers and its logits. `at`: each row's next
-        position (r.end unless it verified drafts: after its accepted ones, spec_decode.py)."""
-        bs = self.pool.block_size  # type: ignore[union-attr]
-        at = at or [r.end for r in rows]
-        # Rows that got new drafts (their next step is not a plain decode) are left out.
-        idx = [i for i, r in enumerate(rows) if r.sample and r.state.req_id not in skip
-               and at[i] < len(r.block_ids) * bs and at[i] < self.max_model_len
-               and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
-               < (r.state.sampling_params.max_tokens or 1 << 62)]
-        if not idx:
-            return None
-        nxt = [Row(rows[i].state, at[i], [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
-               for i in idx]
-        last: list[mx.array | None] = [None] * len(nxt)
-        nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
-        self._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
-        logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
-        mx.async_eval(logits, self.pool.arrays())  # type: ignore[union-attr]
-        return idx, logits
-
-    def _take_ahead(self, ahead: _Ahead | None, rows: list[Row], decode: list[int], last: list) -> list[int]:
-        """Fill `last` for the decode rows the ahead forward computed; returns the rest."""
-        if ahead is None:
-            return decode
-        bs = self.pool.block_size  # type: ignore[union-attr]
-        rest = []
-        for i in decode:
-            r = rows[i]
-            got = ahead.rows.get(r.state.req_id)
-            if got is not None and got[:3] == (r.start, r.token_ids[0], _blocks_key(r, r.start // bs + 1)):
-                last[i] = ahead.logits[got[3] : got[3] + 1]
-            else:
-                rest.append(i)
-        self.ahead_hits += len(decode) - len(rest)
-        self.ahead_misses += len(ahead.rows) - (len(decode) - len(rest))
-        return rest
-
     def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
              propose: bool = False) -> ModelRunnerOutput:
         return self._finish(rows, *self._logits(rows, ahead), start_ahead, propose=propose)
@@ -302,7 +256,7 @@ class ModelRunner:
         if not rows:
             return None, {}
         last: list[mx.array | None] = [None] * len(rows)
-        decode = self._take_ahead(ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
+        decode = lookahead.take(self, ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
         if self.caches.has_state or self.caches.scalar_offsets:
@@ -332,15 +286,15 @@ class ModelRunner:
             verified = verify(self.sampler, logits, rows, probs)
             res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
             mx.eval(self.pool.arrays())
-        elif start_ahead and grammar is None and all(_plain_greedy(r) for r in rows) and not (
+        elif start_ahead and grammar is None and all(lookahead.plain_greedy(r) for r in rows) and not (
                 self.proposer is not None and self.proposer.may_draft(rows)):
             # Sample lazily and queue the next step's forward behind it before waiting.
             lazy = True
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
             mx.async_eval(tokens, nans, self.pool.arrays())
-            started = self._start_ahead(rows, tokens)
+            started = lookahead.start(self, rows, tokens)
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
-        elif grammar is None and all(_plain_greedy(r) for r in rows):  # argmax is the whole sampler
+        elif grammar is None and all(lookahead.plain_greedy(r) for r in rows):  # argmax is the whole sampler
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
             mx.eval(tokens, nans, self.pool.arrays())
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
@@ -355,66 +309,15 @@ class ModelRunner:
         at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
               for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
         if start_ahead and not lazy:
-            started = self._start_ahead(rows, mx.array(last_tok, dtype=mx.int32), drafted, at)
+            started = lookahead.start(self, rows, mx.array(last_tok, dtype=mx.int32), drafted, at)
         if started is not None:
-            bs = self.pool.block_size
-            idx, ahead_logits = started
-            self._ahead = _Ahead({rows[i].state.req_id: (at[i], int(last_tok[i]), _blocks_key(rows[i], at[i] // bs + 1), j)
-                                  for j, i in enumerate(idx)}, ahead_logits)
+            self._ahead = lookahead.record(rows, started, last_tok, self.pool.block_size, at)
 
-        now = time.monotonic()
-        sampled: list[list[int]] = []
-        ttfts = []
-        for i, (r, tok) in enumerate(zip(rows, res.token_ids)):
-            if r.sample:
-                s = r.state
-                toks = [int(tok)] if verified is None else verified.token_ids[i]
-                s.output_token_ids.extend(toks)
-                s.num_computed_tokens -= r.num_draft - (len(toks) - 1)  # the scheduler's rollback
-                if s.first_token_at is None:
-                    s.first_token_at = now
-                    ttfts.append(now - s.first_seen)
-                sampled.append(toks)
-            else:
-                sampled.append([])
-        req_ids = [r.state.req_id for r in rows]
-        logprobs = None
+        out, self.last_stats = build_output(rows, res, verified, prompt_lp)
         if verified is not None:
-            if verified.logprob_token_ids is not None:
-                logprobs = LogprobsLists(verified.logprob_token_ids, verified.logprobs,  # type: ignore[arg-type]
-                                         verified.sampled_token_ranks, verified.cu_num_generated_tokens)  # type: ignore[arg-type]
             self.spec = SpecCounters(self.spec.draft_tokens + verified.num_draft,
                                      self.spec.accepted_tokens + verified.num_accepted, self.spec.steps_with_drafts + 1)
-        elif res.logprob_token_ids is not None:
-            logprobs = LogprobsLists(res.logprob_token_ids, res.logprobs, res.sampled_token_ranks)  # type: ignore[arg-type]
-        plp_dict: dict[str, LogprobsLists | PromptLogprobs | None] = {}
-        for i, (lg, targets) in prompt_lp.items():
-            ids, lps, ranks = prompt_logprobs(lg, targets, rows[i].state.sampling_params.prompt_logprobs)  # type: ignore[arg-type]
-            if rows[i].state.sampling_params.prompt_logprobs_whole:
-                if rows[i].start == 0:  # a recomputation (after preemption) starts over
-                    rows[i].state.prompt_lp_parts.clear()
-                rows[i].state.prompt_lp_parts.append((ids, lps, ranks))
-            else:
-                plp_dict[req_ids[i]] = LogprobsLists(ids, lps, ranks)
-        for i, r in enumerate(rows):  # v2: whole, in the step that samples the first token
-            sp = r.state.sampling_params
-            if (r.sample and sp.prompt_logprobs is not None and sp.prompt_logprobs_whole
-                    and len(r.state.output_token_ids) == len(sampled[i])):
-                parts = r.state.prompt_lp_parts
-                plp_dict[req_ids[i]] = PromptLogprobs([x for p in parts for x in p[0]], [x for p in parts for x in p[1]],
-                                                      [x for p in parts for x in p[2]])
-                r.state.prompt_lp_parts = []
-        nans = {rid: n for rid, n in zip(req_ids, res.num_nans) if n}
-        prompt_tokens = sum(max(0, min(r.end, len(r.state.prompt_token_ids)) - r.start) for r in rows)
-        self.last_stats = StepStats(len(rows), sum(len(r.token_ids) for r in rows), prompt_tokens,
-                                    sum(map(len, sampled)), 0.0, tuple(ttfts),
-                                    verified.num_draft if verified else 0, verified.num_accepted if verified else 0,
-                                    prefill_chunks=sum(not r.sample for r in rows))
-        return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs_dict=plp_dict,
-            num_nans_in_logits=nans or None,
-        )
+        return out
 
     def _forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
                  tokens: mx.array | None = None, stores: list | None = None) -> None:
@@ -442,16 +345,18 @@ class ModelRunner:
                 select.extend(b * L + i for i in range(hi - r.start))
             last_at.append(len(select))
             select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
-        index = mx.array(select, dtype=mx.int32)
+        # Every position selected (a batch of decodes): no gather.
+        index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
         caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths, self._layouts.build)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
-            if self._selection is not None:
+            if self._selection is not None and index is not None:
                 self._selection.index = index
                 logits = self.model(tokens, cache=caches)[0]
             else:
-                logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)[index]
+                logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)
+                logits = logits if index is None else logits[index]
             if stores is not None:
                 stores.append(store_states)
             else:
@@ -473,14 +378,3 @@ class ModelRunner:
         toks = [[int(t)] if r.sample else [] for r, t in zip(rows, res.token_ids)] if verified is None else verified.token_ids
         return self.proposer.propose(self, rows, toks)
 
-
-def _blocks_key(row: Row, n: int) -> tuple:
-    """Every group's first n blocks: an ahead forward wrote to exactly these."""
-    return tuple(tuple(t[:n]) for t in [row.block_ids, *row.other_block_ids])
-
-
-def _plain_greedy(row: Row) -> bool:
-    """Greedy with nothing that changes the logits or asks for logprobs: argmax is the whole sampler."""
-    p = row.state.sampling_params
-    return (p.greedy and not p.has_penalties and not p.logit_bias and not p.allowed_token_ids
-            and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)

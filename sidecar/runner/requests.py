@@ -120,22 +120,26 @@ def plan_step(
             raise ProtocolError(f"num_scheduled_tokens[{rid!r}] must be >= 1, got {n}", field=f"num_scheduled_tokens.{rid}")
         return n
 
-    def check_tables(tables: list[list[int]], end: int, path: str, index_single: bool) -> None:
+    def check_tables(tables: list[list[int]], end: int, path: str, index_single: bool,
+                     known: list[int] | None = None) -> None:
+        """`known`: per group, how many leading blocks were checked when they were added."""
         for g, table in enumerate(tables):
             gp = f"{path}[{g}]" if index_single or len(tables) > 1 else path
+            first = known[g] if known else 0
             if len(tables) > 1 and state_groups and g in state_groups:
-                for j, b in enumerate(table):
-                    if not 0 <= b < num_blocks:
-                        raise ProtocolError(f"block id {b} outside [0, {num_blocks})", field=f"{gp}[{j}]")
+                check_ids(table, first, gp)
                 if not table:
                     raise ProtocolError("a recurrent state group needs the request's state block", field=gp)
                 continue
-            check_table(table, end, gp)
+            check_table(table, end, gp, first)
 
-    def check_table(table: list[int], end: int, path: str) -> None:
-        for j, b in enumerate(table):
-            if not 0 <= b < num_blocks:
-                raise ProtocolError(f"block id {b} outside [0, {num_blocks})", field=f"{path}[{j}]")
+    def check_ids(table: list[int], first: int, path: str) -> None:
+        for j in range(first, len(table)):
+            if not 0 <= table[j] < num_blocks:
+                raise ProtocolError(f"block id {table[j]} outside [0, {num_blocks})", field=f"{path}[{j}]")
+
+    def check_table(table: list[int], end: int, path: str, first: int = 0) -> None:
+        check_ids(table, first, path)
         need = -(-end // block_size)
         if len(table) < need:
             raise ProtocolError(
@@ -234,18 +238,21 @@ def plan_step(
             raise ProtocolError(f"{len(added)} block lists for a request with {1 + len(state.other_block_ids)}",
                                 field=f"{path}.new_block_ids[{i}]")
         added_g = _groups(added, f"{path}.new_block_ids[{i}]", num_groups) if added is not None else [[]] * ngroups
+        known_blocks = None
         if resumed:
             if added is None:
                 raise ProtocolError(f"resumed request {rid!r} needs its new block table", field=f"{path}.new_block_ids[{i}]")
             tables = [list(t) for t in added_g]
         else:
-            tables = [old + new for old, new in zip([state.block_ids, *state.other_block_ids], added_g)]
-        check_tables(tables, end, f"{path}.new_block_ids[{i}]", False)
+            old_tables = [state.block_ids, *state.other_block_ids]
+            tables = [old if not new else old + new for old, new in zip(old_tables, added_g)]
+            known_blocks = [len(t) for t in old_tables]
+        check_tables(tables, end, f"{path}.new_block_ids[{i}]", False, known_blocks)
         updates.append((state, tables, outputs))
-        all_toks = state.prompt_token_ids + (state.output_token_ids if outputs is None else outputs)
         known = end - len(drafts)
-        rows.append(Row(state, start, all_toks[start:known] + drafts, tables[0], known == num_tokens, len(drafts),
-                        tables[1:]))
+        # (Only the row's own tokens are sliced out: a decode row is not O(context) here.)
+        toks = state.tokens(start, known) if outputs is None else (state.prompt_token_ids + outputs)[start:known]
+        rows.append(Row(state, start, toks + drafts, tables[0], known == num_tokens, len(drafts), tables[1:]))
 
     check_no_stray_drafts(out.scheduled_spec_decode_tokens, seen)
     extra = set(out.num_scheduled_tokens) - seen

@@ -76,9 +76,11 @@ class MLXThread:
     own. The thread publishes the worker's state after every job through `after_job`.
     """
 
-    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None):
+    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None,
+                 after_reply: Callable[[], None] | None = None):
         self.max_queue = max_queue
         self._after_job = after_job
+        self._after_reply = after_reply  # MLX work that must not delay a reply (MLXWorker.after_reply)
         self._queue: queue.Queue[_Job | None] = queue.Queue()  # bounded by `call`; the stop sentinel always fits
         self._stopping = False
         self.busy_since: float | None = None  # monotonic start of the running job, None when idle
@@ -117,6 +119,11 @@ class MLXThread:
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     pass
+            if self._after_reply is not None and self._queue.empty():  # else the next call starts now
+                try:
+                    self._after_reply()
+                except Exception:  # noqa: BLE001 - the next step meets (and answers) the same error
+                    log.exception("the work after a reply failed")
 
     async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run fn on the MLX thread. A call still queued after `timeout` is dropped (503); once

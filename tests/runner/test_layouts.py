@@ -18,7 +18,8 @@ SINK = NUM_BLOCKS * BS
 def same(a: BatchLayout, b: BatchLayout) -> None:
     for name in ("offsets", "write_slots", "query_pos", "ctx_lens"):
         np.testing.assert_array_equal(np.array(getattr(a, name)), np.array(getattr(b, name)), err_msg=name)
-    assert (a.uniform, a.scalar_offset, a.start_position) == (b.uniform, b.scalar_offset, b.start_position)
+    assert (a.uniform, a.scalar_offset, a.start_position, a.write_start) == (b.uniform, b.scalar_offset, b.start_position,
+                                                                        b.write_start)
     assert (a.key_pos is None, a.valid_q is None) == (b.key_pos is None, b.valid_q is None)
     assert (a.reads.length, a.reads.start) == (b.reads.length, b.reads.start)
     assert (a.reads.slots is None) == (b.reads.slots is None)

@@ -191,23 +191,28 @@ def test_may_draft_only_where_propose_could() -> None:
     assert not p.may_draft([again]) and p.propose(_R(), [again], [[12]]) == set()
 
 
-def test_steps_with_nothing_to_look_up_sample_lazily_as_without_a_proposer(make_worker, oracle_model) -> None:
+def test_steps_with_nothing_to_look_up_sample_lazily_as_without_a_proposer(make_worker, oracle_model,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A proposer costs no waiting where it cannot draft: decode steps of a request whose text
     has nothing to match take the lazy argmax path (the next decode is queued behind the argmax,
     before the tokens are read and handed to the proposer), and the output stays mlx-lm's greedy
     output. Negative control: prompt_lookup_min 1 (any repeated token may match) reads the tokens
     and proposes first on every step that verified no drafts."""
+    from sidecar.runner import ahead
+
     rng = random.Random(11)
     prompt = rng.sample(range(3, 500), 24)  # distinct tokens
     want = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 12)[0]
     seen = {}
+    real_start = ahead.start
     for n_min in (4, 1):
         w = make_worker(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=n_min,
                         prompt_lookup_max=4)
         order: list[str] = []
-        for name in ("execute_model", "_start_ahead", "_propose"):  # record the calls in order, then run them
+        for name in ("execute_model", "_propose"):  # record the calls in order, then run them
             real = getattr(w.runner, name)
             setattr(w.runner, name, lambda *a, _n=name, _f=real, **k: order.append(_n) or _f(*a, **k))
+        monkeypatch.setattr(ahead, "start", lambda *a, _f=real_start, **k: order.append("_start_ahead") or _f(*a, **k))
         before = w.runner.ahead_hits
         got, d = _run(w, {"a": prompt}, 12)
         assert got["a"] == want, n_min

@@ -1,0 +1,103 @@
+"""Decode ahead: the likely next decode forward, queued right after a step returns.
+
+Every row that sampled decodes its new token with the same block table. It runs while the
+response travels and the scheduler plans, and is used row by row where the next step matches
+exactly. How far it overlaps is bounded by MLX itself: `async_eval` returns only once at most ~10
+tasks (~100 ops on the CPU backend) are left queued, so one forward queued ahead is as deep as the
+overlap goes (queueing a second would hold the step until the first is nearly computed). That wait
+would hold the step's reply too; where the server runs `ModelRunner.after_reply` on the MLX thread
+after each reply (server/rpc.py), the forward is built in the step and dispatched there instead,
+so the reply leaves as soon as the step's own tokens are known and the next forward computes
+while it travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from sidecar.runner.requests import Row
+
+if TYPE_CHECKING:
+    from sidecar.runner.model_runner import ModelRunner
+
+
+@dataclass
+class _Ahead:
+    """A decode forward for the step the scheduler will most likely send next, used row by row
+    where the next step matches exactly (same request, position, token and blocks). Its only side
+    effect is the K/V of that token at that position, in a slot of the request's own last, partial
+    block, which the scheduler assigns to exactly this token, and which no other request reads
+    before writing it itself (a partial block is never prefix-cached), so a miss is harmless."""
+
+    rows: dict[str, tuple[int, int, tuple[int, ...], int]]  # req_id -> (position, token, blocks, index)
+    logits: mx.array  # [rows, vocab]
+
+
+def blocks_key(row: Row, n: int) -> tuple:
+    """Every group's first n blocks: an ahead forward wrote to exactly these."""
+    return tuple(tuple(t[:n]) for t in [row.block_ids, *row.other_block_ids])
+
+
+def plain_greedy(row: Row) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: argmax is the whole sampler."""
+    p = row.state.sampling_params
+    return (p.greedy and not p.has_penalties and not p.logit_bias and not p.allowed_token_ids
+            and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)
+
+
+def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str] | frozenset[str] = frozenset(),
+          at: list[int] | None = None) -> tuple[list[int], mx.array] | None:
+    """Queue the forward of the likely next decode step on this step's tokens [rows], which may
+    still be lazy: then it follows the sampling without a gap, as mlx-lm's generate loop does.
+    Returns the rows it covers and its logits. `at`: each row's next position (r.end, unless it
+    verified drafts: the position after its accepted ones, spec_decode.py)."""
+    bs = runner.pool.block_size  # type: ignore[union-attr]
+    at = at or [r.end for r in rows]
+    # Rows that got new drafts (their next step is not a plain decode) are left out.
+    idx = [i for i, r in enumerate(rows) if r.sample and r.state.req_id not in skip
+           and at[i] < len(r.block_ids) * bs and at[i] < runner.max_model_len
+           and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
+           < (r.state.sampling_params.max_tokens or 1 << 62)]
+    if not idx:
+        return None
+    nxt = [Row(rows[i].state, at[i], [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
+           for i in idx]
+    last: list[mx.array | None] = [None] * len(nxt)
+    nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
+    runner._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
+    logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
+    if runner.dispatch_after_reply:  # dispatched once the reply is on its way (ModelRunner.after_reply)
+        runner._dispatch = [logits, *runner.pool.arrays()]  # type: ignore[union-attr]
+    else:
+        mx.async_eval(logits, runner.pool.arrays())  # type: ignore[union-attr]
+    return idx, logits
+
+
+def record(rows: list[Row], started: tuple[list[int], mx.array], token_ids: list[int], block_size: int,
+           at: list[int] | None = None) -> _Ahead:
+    """The queued forward, keyed by what the next step must match to use it (`at`: as for start)."""
+    idx, logits = started
+    at = at or [r.end for r in rows]
+    return _Ahead({rows[i].state.req_id: (at[i], int(token_ids[i]), blocks_key(rows[i], at[i] // block_size + 1), j)
+                   for j, i in enumerate(idx)}, logits)
+
+
+def take(runner: ModelRunner, ahead: _Ahead | None, rows: list[Row], decode: list[int], last: list) -> list[int]:
+    """Fill `last` for the decode rows the ahead forward computed; returns the rest."""
+    if ahead is None:
+        return decode
+    bs = runner.pool.block_size  # type: ignore[union-attr]
+    rest = []
+    for i in decode:
+        r = rows[i]
+        got = ahead.rows.get(r.state.req_id)
+        if got is not None and got[:3] == (r.start, r.token_ids[0], blocks_key(r, r.start // bs + 1)):
+            last[i] = ahead.logits[got[3] : got[3] + 1]
+        else:
+            rest.append(i)
+    runner.ahead_hits += len(decode) - len(rest)
+    runner.ahead_misses += len(ahead.rows) - (len(decode) - len(rest))
+    return rest

@@ -1,0 +1,60 @@
+"""The decode-ahead forward: dispatched in the step, or (once an after-reply hook runs) left to
+the hook, with the same tokens as mlx-lm either way."""
+
+from __future__ import annotations
+
+from tests.conftest import mlx_lm_greedy
+from tests.driver import Driver
+
+
+def test_dispatch_after_reply_matches_mlx_lm(make_worker, oracle_model) -> None:
+    prompt = [5, 9, 13, 2, 7]
+    want, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 20)
+    for hooked in (False, True):
+        w = make_worker(num_blocks=32)
+        d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+        d.add("a", prompt, {"temperature": 0.0, "max_tokens": 30})
+        deferred = 0
+        while len(d.reqs["a"].out) < 20:
+            d.step()
+            deferred += w.runner._dispatch is not None  # built, not yet dispatched
+            if hooked:
+                w.after_reply()
+                assert w.runner._dispatch is None
+        assert d.reqs["a"].out[:20] == want, hooked
+        assert w.runner.ahead_hits > 10
+        # Without the hook every forward is dispatched in its step; with it (from the first call on) after it.
+        assert w.runner.dispatch_after_reply is hooked
+        assert (deferred >= 15) if hooked else deferred == 0
+
+
+def test_a_dispatch_never_survives_a_new_pool(make_worker) -> None:
+    w = make_worker(num_blocks=32)
+    w.after_reply()
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", [5, 6, 7], {"temperature": 0.0, "max_tokens": 10})
+    d.step()
+    d.step()
+    assert w.runner._dispatch is not None
+    w.runner.allocate(16)
+    assert w.runner._dispatch is None and w.runner._ahead is None
+    w.after_reply()  # nothing left to dispatch
+
+
+def test_an_undispatched_forward_never_costs_a_pool_copy(make_worker) -> None:
+    """A hook skipped (a call was already waiting) leaves the forward to the next step, which still
+    writes the pool in place (the same buffer after three such steps)."""
+    import numpy as np
+
+    w = make_worker(num_blocks=32)
+    w.after_reply()  # deferral on; then no hook runs between these steps
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", [5, 6, 7], {"temperature": 0.0, "max_tokens": 20})
+    d.step()
+    d.step()
+    before = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+    for _ in range(3):
+        d.step()
+    after = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+    assert before == after
+    assert w.runner.ahead_hits >= 3
