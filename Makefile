@@ -64,11 +64,14 @@ FUZZ_SEED ?= 9
 fuzz: install
 	MLX_SIDECAR_FUZZ_N=$(FUZZ_N) MLX_SIDECAR_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q tests/server/test_fuzz.py
 
-# Both sides (mlx-lm in the bench process, the servers it starts) on the same BLAS: OpenBLAS on
-# Linux, installed if missing (scripts/ensure-openblas.sh; never fails), MLX_SIDECAR_BLAS=bundled not.
+# Both sides (mlx-lm in the bench process, the servers it starts) on the same BLAS: the wheel's
+# bundled one by default (BENCH_BLAS=auto: an installed OpenBLAS for every stage). The speculative
+# stage also runs on an OpenBLAS pair of servers (installed if missing, scripts/ensure-openblas.sh;
+# never fails): README "Speculative decoding and the CPU BLAS".
+BENCH_BLAS ?= bundled
 bench: install
 	sh scripts/ensure-openblas.sh
-	MLX_SIDECAR_BLAS=$(MLX_SIDECAR_BLAS) $(VENV)/bin/mlx-sidecar bench $(ARGS)
+	MLX_SIDECAR_BLAS=$(BENCH_BLAS) $(VENV)/bin/mlx-sidecar bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None and args.command in ("serve", "bench"):  # the command line itself, not a caller's argv
         from sidecar import blas
 
-        blas.reexec("auto" if args.command == "bench" else "bundled")  # MLX_SIDECAR_BLAS overrides
+        blas.reexec("bundled")  # MLX_SIDECAR_BLAS overrides (bench's speculative stage: bench/spec.py)
     if args.command == "serve":
         try:
             cfg = config_from_args(args)

@@ -140,8 +140,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
     sides: list[SidecarSide] = []
     log_dir = tempfile.TemporaryDirectory(prefix="sidecar-bench-")  # server logs, shown when one fails
 
-    def make_side(extra: dict[str, Any]) -> SidecarSide:
-        server = ServerProcess(params.model, params.home, log_dir=log_dir.name, extra={
+    def make_side(extra: dict[str, Any], env: dict[str, str] | None = None) -> SidecarSide:
+        server = ServerProcess(params.model, params.home, log_dir=log_dir.name, env=env, extra={
             "max_num_seqs": max(params.max_num_seqs, params.sampling_rows, max(params.sweep_concurrency)),
             "max_num_batched_tokens": params.max_num_batched_tokens, **extra})
         servers.append(server)
@@ -211,7 +211,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
                                "(the machine is shared): its figures are skewed")
         results = b.results
         notes = list(params.notes) + b.notes
-        server_blas = sorted({lib for pid in _LivePids(servers) for lib in blas.mapped(pid)})
+        # (servers started with their own preload, the speculative stage's OpenBLAS pair, aside)
+        server_blas = sorted({lib for pid in _LivePids([s for s in servers if not s.env]) for lib in blas.mapped(pid)})
         raw = b.raw
     finally:
         for side in sides:
