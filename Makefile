@@ -24,8 +24,11 @@ install: $(STAMP)
 # (Without them the pool is bounded by the memory the OS can give, sidecar/memory.py: safe, slow.)
 MODEL ?= builtin:smollm2
 SERVE_LIMITS ?= --max-num-batched-tokens 256 --max-num-seqs 8 --max-model-len 4096
+# The CPU BLAS (sidecar/blas.py): an installed OpenBLAS in place of the wheel's reference BLAS on
+# Linux (`auto`; `bundled` keeps the wheel's). `mlx-sidecar serve` alone keeps the bundled one.
+MLX_SIDECAR_BLAS ?= auto
 serve: install
-	$(VENV)/bin/mlx-sidecar serve --preload --model $(MODEL) $(SERVE_LIMITS) $(ARGS)
+	MLX_SIDECAR_BLAS=$(MLX_SIDECAR_BLAS) $(VENV)/bin/mlx-sidecar serve --preload --model $(MODEL) $(SERVE_LIMITS) $(ARGS)
 
 test: install
 	sh scripts/ensure-prometheus.sh
@@ -61,8 +64,14 @@ FUZZ_SEED ?= 9
 fuzz: install
 	MLX_SIDECAR_FUZZ_N=$(FUZZ_N) MLX_SIDECAR_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q tests/server/test_fuzz.py
 
+# Both sides (mlx-lm in the bench process, the servers it starts) on the same BLAS: the wheel's
+# bundled one by default (BENCH_BLAS=auto: an installed OpenBLAS for every stage). The speculative
+# stage also runs on an OpenBLAS pair of servers (installed if missing, scripts/ensure-openblas.sh;
+# never fails): README "Speculative decoding and the CPU BLAS".
+BENCH_BLAS ?= bundled
 bench: install
-	$(VENV)/bin/mlx-sidecar bench $(ARGS)
+	sh scripts/ensure-openblas.sh
+	MLX_SIDECAR_BLAS=$(BENCH_BLAS) $(VENV)/bin/mlx-sidecar bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -30,6 +30,10 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     assert not bad, f"missing or non-finite: {bad}"
     assert doc["profile"] == "tiny" and doc["model"] == "builtin:tiny"
     assert doc["mlx_version"] and doc["mlx_lm_version"] and doc["machine"]["cpu_count"]
+    # The BLAS, named in the head; the servers mapped the one this process (mlx-lm) multiplies with.
+    blas = doc["machine"]["blas"]
+    assert f"BLAS {blas['name']}" in out.splitlines()[0]
+    assert blas["path"] is None or blas["path"] in doc["machine"]["server_blas_libraries"], doc["machine"]
     assert doc["single_stream_tokens_match"] == 1.0  # same model, greedy: the same tokens on both sides
     assert doc["prefix_cached_tokens"] >= doc["prefix_len"] - 16  # the warm request really hit the cache
     sweep = doc["sweep"]

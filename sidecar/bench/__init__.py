@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from sidecar import blas
 from sidecar.bench import pool_sampling, report, scenarios, spec, workloads
 from sidecar.bench.cpu import CpuMeter
 from sidecar.bench.params import BenchParams, from_cli
@@ -61,6 +62,7 @@ def machine_info() -> dict[str, Any]:
     # BLAS, whose matmul cost grows with every row; a preloaded one takes its place (README:
     # "Speculative decoding and the CPU BLAS"). numpy's own OpenBLAS (numpy.libs) is not MLX's.
     info["ld_preload"] = os.environ.get("LD_PRELOAD") or None
+    info["blas"] = blas.describe()  # the library libmlx's cblas_sgemm binds to (sidecar/blas.py)
     try:
         with open("/proc/self/maps") as f:
             info["blas_libraries"] = sorted({ln.split()[-1] for ln in f if "blas" in ln.rsplit("/", 1)[-1]
@@ -138,8 +140,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
     sides: list[SidecarSide] = []
     log_dir = tempfile.TemporaryDirectory(prefix="sidecar-bench-")  # server logs, shown when one fails
 
-    def make_side(extra: dict[str, Any]) -> SidecarSide:
-        server = ServerProcess(params.model, params.home, log_dir=log_dir.name, extra={
+    def make_side(extra: dict[str, Any], env: dict[str, str] | None = None) -> SidecarSide:
+        server = ServerProcess(params.model, params.home, log_dir=log_dir.name, env=env, extra={
             "max_num_seqs": max(params.max_num_seqs, params.sampling_rows, max(params.sweep_concurrency)),
             "max_num_batched_tokens": params.max_num_batched_tokens, **extra})
         servers.append(server)
@@ -209,6 +211,8 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
                                "(the machine is shared): its figures are skewed")
         results = b.results
         notes = list(params.notes) + b.notes
+        # (servers started with their own preload, the speculative stage's OpenBLAS pair, aside)
+        server_blas = sorted({lib for pid in _LivePids([s for s in servers if not s.env]) for lib in blas.mapped(pid)})
         raw = b.raw
     finally:
         for side in sides:
@@ -220,6 +224,10 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
     elapsed = time.perf_counter() - t_start
     machine = machine_info()
     machine["cpu_busy_before_start"] = busy
+    machine["server_blas_libraries"] = server_blas  # what the servers mapped: the same BLAS as this process
+    bound = machine["blas"].get("path")
+    if bound and server_blas and bound not in server_blas:
+        notes.append(f"the servers did not map {bound}, the BLAS this process (mlx-lm) uses: ratios are unfair")
     if busy is not None and busy > 0.2:
         notes.append(f"{busy:.0%} of the CPU was busy with something else in the second before the bench "
                      "started: the figures are noisier than usual")
@@ -251,7 +259,8 @@ def render(doc: dict[str, Any]) -> str:
     head = (f"mlx-sidecar bench ({doc['profile']}) - {doc['model']} - {doc['backend_label']} - "
             f"{doc['machine'].get('cpu', doc['machine']['machine'])}, {doc['machine']['cpu_count']} cores - "
             f"mlx {doc['mlx_version']}, mlx-lm {doc['mlx_lm_version']}, sidecar {doc['versions'].get('git', '?')}"
-            + (" (+ uncommitted changes)" if doc["versions"].get("git_dirty") else ""))
+            + (" (+ uncommitted changes)" if doc["versions"].get("git_dirty") else "")
+            + (f" - BLAS {blas.label(doc['machine']['blas'])}" if doc["machine"].get("blas") else ""))
     parts = [head, "", table(doc)]
     if doc.get("sweep"):
         parts += ["", "throughput against concurrency (generated tokens/s, prefill included):",

@@ -50,9 +50,10 @@ class ServerProcess:
     """`python -m sidecar serve` on a free loopback port; stopped with SIGTERM (then SIGKILL) by pid."""
 
     def __init__(self, model: str, home: str | None, *, extra: dict[str, Any] | None = None,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, env: dict[str, str] | None = None):
         self.model, self.home = model, home
         self.extra = dict(extra or {})
+        self.env = dict(env or {})  # on top of this process's environment (e.g. a BLAS preload)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="sidecar-bench-")) / f"server-{self.port}.log"
@@ -71,6 +72,7 @@ class ServerProcess:
         log = open(self.log_path, "wb")
         env = dict(os.environ)
         env.pop("MLX_SIDECAR_AUTH_TOKEN", None)  # the bench talks to its own loopback servers
+        env.update(self.env)
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         deadline = time.monotonic() + timeout

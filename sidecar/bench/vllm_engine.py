@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from sidecar.blas import without_preload  # the driver runs no MLX: torch keeps its own BLAS
 from sidecar.bench.scenarios import Bench, batch_lengths, median
 from sidecar.bench.sides import SidecarSide, requests_for
 from sidecar.models.export import model_dir
@@ -46,7 +47,7 @@ def vllm_engine(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) ->
                "max_model_len": p.batch_prompt_max + p.batch_new_tokens + 16, "repeats": p.batch_repeats}
         b.log(f"vllm engine: starting vLLM ({py}) against {side.server.url}")
         r = subprocess.run([str(py), "-m", "sidecar.vllm.bench_driver"], input=json.dumps(req), capture_output=True,
-                           text=True, cwd=ROOT, timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           text=True, cwd=ROOT, timeout=1800, env={**without_preload(os.environ), "PYTHONPATH": str(ROOT)})
     if r.returncode != 0:
         b.notes.append(f"vllm engine: vLLM failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
         return

@@ -48,20 +48,22 @@ def plain_greedy(row: Row) -> bool:
             and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)
 
 
-def start(runner: ModelRunner, rows: list[Row], tokens: mx.array,
-          skip: set[str] | frozenset[str] = frozenset()) -> tuple[list[int], mx.array] | None:
+def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str] | frozenset[str] = frozenset(),
+          at: list[int] | None = None) -> tuple[list[int], mx.array] | None:
     """Queue the forward of the likely next decode step on this step's tokens [rows], which may
     still be lazy: then it follows the sampling without a gap, as mlx-lm's generate loop does.
-    Returns the rows it covers and its logits."""
+    Returns the rows it covers and its logits. `at`: each row's next position (r.end, unless it
+    verified drafts: the position after its accepted ones, spec_decode.py)."""
     bs = runner.pool.block_size  # type: ignore[union-attr]
-    # Rows that verified drafts (their next position is not r.end) or got new drafts (their
-    # next step is not a plain decode) are left out.
-    idx = [i for i, r in enumerate(rows) if r.sample and not r.num_draft and r.state.req_id not in skip
-           and r.end < len(r.block_ids) * bs and r.end < runner.max_model_len
-           and len(r.state.output_token_ids) + 1 < (r.state.sampling_params.max_tokens or 1 << 62)]
+    at = at or [r.end for r in rows]
+    # Rows that got new drafts (their next step is not a plain decode) are left out.
+    idx = [i for i, r in enumerate(rows) if r.sample and r.state.req_id not in skip
+           and at[i] < len(r.block_ids) * bs and at[i] < runner.max_model_len
+           and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
+           < (r.state.sampling_params.max_tokens or 1 << 62)]
     if not idx:
         return None
-    nxt = [Row(rows[i].state, rows[i].end, [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
+    nxt = [Row(rows[i].state, at[i], [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
            for i in idx]
     last: list[mx.array | None] = [None] * len(nxt)
     nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
@@ -74,10 +76,12 @@ def start(runner: ModelRunner, rows: list[Row], tokens: mx.array,
     return idx, logits
 
 
-def record(rows: list[Row], started: tuple[list[int], mx.array], token_ids: list[int], block_size: int) -> _Ahead:
-    """The queued forward, keyed by what the next step must match to use it."""
+def record(rows: list[Row], started: tuple[list[int], mx.array], token_ids: list[int], block_size: int,
+           at: list[int] | None = None) -> _Ahead:
+    """The queued forward, keyed by what the next step must match to use it (`at`: as for start)."""
     idx, logits = started
-    return _Ahead({rows[i].state.req_id: (rows[i].end, int(token_ids[i]), blocks_key(rows[i], rows[i].end // block_size + 1), j)
+    at = at or [r.end for r in rows]
+    return _Ahead({rows[i].state.req_id: (at[i], int(token_ids[i]), blocks_key(rows[i], at[i] // block_size + 1), j)
                    for j, i in enumerate(idx)}, logits)
 
 

@@ -286,12 +286,17 @@ class ModelRunner:
             verified = verify(self.sampler, logits, rows, probs)
             res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
             mx.eval(self.pool.arrays())
-        elif start_ahead and grammar is None and self.proposer is None and all(lookahead.plain_greedy(r) for r in rows):
+        elif start_ahead and grammar is None and all(lookahead.plain_greedy(r) for r in rows) and not (
+                self.proposer is not None and self.proposer.may_draft(rows)):
             # Sample lazily and queue the next step's forward behind it before waiting.
             lazy = True
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
             mx.async_eval(tokens, nans, self.pool.arrays())
             started = lookahead.start(self, rows, tokens)
+            res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
+        elif grammar is None and all(lookahead.plain_greedy(r) for r in rows):  # argmax is the whole sampler
+            tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
+            mx.eval(tokens, nans, self.pool.arrays())
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
         else:
             sample_rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
@@ -299,10 +304,14 @@ class ModelRunner:
             res = self.sampler.sample(logits, sample_rows)
             mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
         drafted = self._propose(rows, res, verified) if propose else set()
-        if start_ahead and not lazy and (verified is None or not all(r.num_draft for r in rows)):
-            started = lookahead.start(self, rows, mx.array(res.token_ids, dtype=mx.int32), drafted)
+        # A row that verified drafts decodes its last token next, after the accepted ones.
+        last_tok = res.token_ids if verified is None else [t[-1] if t else 0 for t in verified.token_ids]
+        at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
+              for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
+        if start_ahead and not lazy:
+            started = lookahead.start(self, rows, mx.array(last_tok, dtype=mx.int32), drafted, at)
         if started is not None:
-            self._ahead = lookahead.record(rows, started, res.token_ids, self.pool.block_size)
+            self._ahead = lookahead.record(rows, started, last_tok, self.pool.block_size, at)
 
         out, self.last_stats = build_output(rows, res, verified, prompt_lp)
         if verified is not None:

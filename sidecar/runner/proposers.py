@@ -27,9 +27,10 @@ import numpy as np
 from sidecar.config import Config
 from sidecar.errors import ProtocolError
 from sidecar.runner.kv_cache import LayerSpec
-from sidecar.runner.ngram import ngram_drafts
+from sidecar.runner.ngram import ngram_drafts, ngram_may_match
 from sidecar.runner.requests import RequestState, Row
 from sidecar.runner.sampler import SamplingParams
+from sidecar.runner.spec_policy import VerifyCost, acceptance, best_length, measure
 
 if TYPE_CHECKING:
     from sidecar.runner.model_runner import ModelRunner
@@ -45,8 +46,11 @@ class _Pace:
     k: int
     wait: int = 0
     backoff: int = 1
+    drafted: int = 0  # the request's drafts so far, and how many were accepted (spec_policy.py)
+    accepted: int = 0
 
     def update(self, k_max: int, drafted: int, accepted: int) -> int:
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
         if drafted:
             if accepted == drafted:
                 self.k, self.backoff = min(k_max, self.k + 2), 1
@@ -63,10 +67,15 @@ class _Pace:
 class Proposer:
     """The drafts of the last step, per request, until taken. Up to k per request: where drafts
     keep being rejected (text that does not repeat) fewer, down to none for a while, so that
-    verifying them costs little when speculation does not help."""
+    verifying them costs little when speculation does not help. A proposer whose drafts cost
+    nothing to make (`costed`) also weighs the model's measured verify cost against the request's
+    acceptance rate (spec_policy.py): where verifying costs what decoding the tokens would, none."""
+
+    costed = False
 
     def __init__(self, k: int):
         self.k = k
+        self.cost: VerifyCost | None = None  # measured at the first step (costed proposers)
         self.pending: dict[str, list[int]] = {}
         self.paces: dict[str, _Pace] = {}
         self.proposed = 0  # draft tokens handed out since start
@@ -75,11 +84,16 @@ class Proposer:
         """Called by the runner after the step's tokens are known (before they are appended to
         the request state). Returns the ids that got drafts."""
         want: list[tuple[RequestState, list[int], int]] = []
+        if self.costed and self.cost is None:
+            self.cost = _measure(runner, self.k)
         for r, new in zip(rows, new_tokens):
             s = r.state
             if not new:
                 continue
-            pace = self.paces.setdefault(s.req_id, _Pace(self.k)).update(self.k, r.num_draft, len(new) - 1)
+            p = self.paces.setdefault(s.req_id, _Pace(self.k))
+            pace = p.update(self.k, r.num_draft, len(new) - 1)
+            if pace and self.cost is not None:
+                pace = best_length(pace, acceptance(p.accepted, p.drafted), self.cost)
             n_out = len(s.output_token_ids) + len(new)
             history = s.prompt_token_ids + s.output_token_ids + new
             left = (s.sampling_params.max_tokens or 1 << 62) - n_out - 1  # the bonus token is never a draft
@@ -93,6 +107,29 @@ class Proposer:
 
     def _drafts(self, runner: ModelRunner, want: list[tuple[RequestState, list[int], int]]) -> dict[str, list[int]]:
         raise NotImplementedError
+
+    def may_draft(self, rows: Sequence[Row]) -> bool:
+        """Whether `propose` after this step could draft for any of the rows, known before their
+        new tokens are. When not, the runner samples lazily and queues the next decode ahead
+        behind the sampling, as without a proposer: a request whose drafts keep failing (paused)
+        or whose text gives lookup nothing to match costs what plain decoding does."""
+        for r in rows:
+            if not r.sample:
+                continue
+            if r.num_draft:
+                return True
+            pace = self.paces.get(r.state.req_id)
+            if pace is not None and pace.wait:  # paused: `update` gives 0 drafts this step
+                continue
+            if self.cost is not None and not best_length(
+                    self.k, acceptance(pace.accepted, pace.drafted) if pace else acceptance(0, 0), self.cost):
+                continue  # drafting does not pay at this request's acceptance rate
+            if self._may_draft(r.state):
+                return True
+        return False
+
+    def _may_draft(self, s: RequestState) -> bool:
+        return True
 
     def take(self) -> dict | None:
         """vLLM's DraftTokenIds, or None when no request has drafts."""
@@ -118,12 +155,17 @@ class Proposer:
 
 
 class NgramProposer(Proposer):
+    costed = True
+
     def __init__(self, k: int, n_min: int, n_max: int):
         super().__init__(k)
         self.n_min, self.n_max = n_min, n_max
 
     def _drafts(self, runner: ModelRunner, want: list[tuple[RequestState, list[int], int]]) -> dict[str, list[int]]:
         return {s.req_id: ngram_drafts(np.asarray(h, np.int32), self.n_min, self.n_max, k) for s, h, k in want}
+
+    def _may_draft(self, s: RequestState) -> bool:
+        return ngram_may_match(s.prompt_token_ids, s.output_token_ids, self.n_min)
 
 
 @dataclass
@@ -226,6 +268,13 @@ class DraftModelProposer(Proposer):
     def _rng_for(self, s: RequestState, pos: int) -> np.random.Generator:
         seed = s.sampling_params.seed
         return self.rng if seed is None else np.random.default_rng([seed & (2**63 - 1), pos, 0x5D])
+
+
+def _measure(runner: ModelRunner, k: int) -> VerifyCost:
+    try:
+        return measure(runner.model, k)
+    except Exception:  # noqa: BLE001 - a model that cannot run without its cache: draft by acceptance alone
+        return VerifyCost(0.0)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

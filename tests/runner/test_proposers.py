@@ -160,3 +160,118 @@ def test_draft_length_adapts_to_rejections_and_pauses() -> None:
     steps = [((0, 0), 3), ((3, 3), 3), ((3, 1), 2), ((2, 0), 1), ((1, 0), 0), ((0, 0), 1),
              ((1, 0), 0), ((0, 0), 0), ((0, 0), 1), ((1, 1), 3)]
     assert [p.update(3, d, a) for (d, a), _ in steps] == [want for _, want in steps]
+
+
+def test_may_draft_only_where_propose_could() -> None:
+    """The runner's cue for the lazy greedy path: a row verifying drafts, or one whose text lookup
+    could match after any next token, may get drafts; a paused row or one with nothing to match
+    may not (and propose then indeed gives none)."""
+    from sidecar.runner.proposers import NgramProposer
+    from sidecar.runner.requests import RequestState, Row
+    from sidecar.runner.sampler import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+
+    def row(rid: str, prompt: list[int], out: list[int], num_draft: int = 0, sample: bool = True) -> Row:
+        s = RequestState(rid, prompt, greedy, [0], output_token_ids=out)
+        return Row(s, s.num_tokens - 1 - num_draft, [out[-1]] + [9] * num_draft, [0], sample, num_draft)
+
+    p = NgramProposer(3, 2, 4)
+    fresh = row("a", [10, 11, 12, 13], [14])  # no token repeats: no 2-gram can match
+    assert not p.may_draft([fresh])
+    again = row("b", [10, 11, 12, 13], [11])  # 11 occurred before, followed by 12
+    assert p.may_draft([again]) and p.may_draft([fresh, again])
+    assert p.may_draft([row("c", [10, 11, 12], [13], num_draft=2)])  # verifying
+    assert not p.may_draft([row("d", [10, 11, 12], [11], sample=False)])  # a prefill chunk: no new token
+    # propose agrees: nothing for `fresh` whatever it samples next.
+    class _R:
+        max_model_len = 1 << 20
+    assert p.propose(_R(), [fresh], [[15]]) == set() and p.propose(_R(), [again], [[12]]) == {"b"}
+    p.paces["b"].wait = 2  # paused after rejections: no drafts until the pause ends
+    assert not p.may_draft([again]) and p.propose(_R(), [again], [[12]]) == set()
+
+
+def test_steps_with_nothing_to_look_up_sample_lazily_as_without_a_proposer(make_worker, oracle_model,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proposer costs no waiting where it cannot draft: decode steps of a request whose text
+    has nothing to match take the lazy argmax path (the next decode is queued behind the argmax,
+    before the tokens are read and handed to the proposer), and the output stays mlx-lm's greedy
+    output. Negative control: prompt_lookup_min 1 (any repeated token may match) reads the tokens
+    and proposes first on every step that verified no drafts."""
+    from sidecar.runner import ahead
+
+    rng = random.Random(11)
+    prompt = rng.sample(range(3, 500), 24)  # distinct tokens
+    want = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 12)[0]
+    seen = {}
+    real_start = ahead.start
+    for n_min in (4, 1):
+        w = make_worker(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=n_min,
+                        prompt_lookup_max=4)
+        order: list[str] = []
+        for name in ("execute_model", "_propose"):  # record the calls in order, then run them
+            real = getattr(w.runner, name)
+            setattr(w.runner, name, lambda *a, _n=name, _f=real, **k: order.append(_n) or _f(*a, **k))
+        monkeypatch.setattr(ahead, "start", lambda *a, _f=real_start, **k: order.append("_start_ahead") or _f(*a, **k))
+        before = w.runner.ahead_hits
+        got, d = _run(w, {"a": prompt}, 12)
+        assert got["a"] == want, n_min
+        steps = [s.split() for s in " ".join(order).split("execute_model")]
+        firsts = [next((c for c in step if c in ("_start_ahead", "_propose")), None) for step in steps]
+        seen[n_min] = (firsts.count("_start_ahead"), firsts.count("_propose"), len(d.tokens_per_step),
+                       w.runner.ahead_hits - before)
+    lazy4, eager4, steps4, hits4 = seen[4]
+    assert eager4 == 0 and lazy4 >= steps4 - 1 and hits4 > steps4 // 2, seen  # every step lazy, queued decodes used
+    assert seen[1][1] > seen[1][2] // 2, seen  # proposing first on the steps that verified no drafts
+
+
+def test_drafting_pauses_where_drafts_fail_through_a_real_server(home: str, oracle_model) -> None:
+    """Through a real server (take_draft_token_ids over HTTP), two greedy requests batched: one
+    whose text the model does not copy, where drafts keep failing and the proposer pauses (fewer
+    drafted steps than steps lookup could draft for), and one the model copies exactly, never
+    paused (the control). Both are mlx-lm's greedy tokens; the metrics show accepted drafts."""
+    from sidecar.client import RemoteWorker
+    from sidecar.runner.ngram import ngram_drafts
+    from tests.server.serverproc import start_server
+    from tests.server.test_metrics import samples, scrape
+
+    import numpy as np
+
+    def pattern(seed: int, vocab: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(3, vocab) for _ in range(7)] * 4
+
+    with start_server("--speculative-method", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-min", "1",
+                      "--prompt-lookup-max", "4", "--max-num-batched-tokens", "64", "--max-num-seqs", "4") as s:
+        w = RemoteWorker(s.url)
+        try:
+            w.init_device()
+            w.load_model()
+            w.initialize_cache(num_gpu_blocks=128)
+            V = int(w.info()["vocab_size"])
+            prompts = {"fails": pattern(0, V), "copies": pattern(3, V)}
+            seen = {rid: [0, 0] for rid in prompts}  # steps lookup could draft for, steps drafted for
+
+            def take() -> dict | None:
+                got = w.take_draft_token_ids()
+                drafted = set(got["req_ids"]) if got else set()
+                for rid, r in d.reqs.items():
+                    if r.out and r.rid in seen and len(r.out) < 40 - 1:
+                        seen[rid][0] += bool(ngram_drafts(np.asarray(r.prompt + r.out, np.int32), 1, 4, 2))
+                        seen[rid][1] += rid in drafted
+                return got
+
+            d = SpecDriver(lambda so: w.call("execute_model", scheduler_output=so), w.info()["block_size"], 128, take=take)
+            for rid, p in prompts.items():
+                d.add(rid, p)
+            got = d.run(40, 16)
+            oracle = oracle_model("builtin:tiny")
+            for rid, p in prompts.items():
+                assert got[rid] == mlx_lm_greedy(oracle, p, 40)[0], rid
+            m = samples(scrape(s.url))
+        finally:
+            w.close()
+    assert m[("mlx_worker_spec_decode_accepted_tokens_total", ())] > 0
+    lookups, drafted = seen["fails"]
+    assert 0 < drafted < lookups - 4, seen  # paused on several steps lookup could have drafted for
+    assert 0 < seen["copies"][1] == seen["copies"][0], seen  # every lookup drafted, never paused

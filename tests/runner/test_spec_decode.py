@@ -119,6 +119,48 @@ def test_drafts_mixed_with_plain_decode_rows_and_decode_ahead(make_worker) -> No
     close(w, d)
 
 
+@pytest.mark.parametrize("all_right", [False, True])
+def test_a_verify_step_queues_the_next_decode_after_its_accepted_drafts(make_worker, oracle_model,
+                                                                        all_right: bool) -> None:
+    """After a step that verified drafts, a row with no new drafts has its next decode queued
+    ahead at the position after its accepted drafts (partly right drafts: one accepted, one
+    rejected; or both accepted), and the queued forward is what the next step uses: one ahead hit
+    per such step, tokens still mlx-lm's. Control: with decode-ahead off, no hits."""
+    ps = prompts(500, [9, 21], seed=4)
+    want = {f"r{i}": mlx_lm_greedy(oracle_model("builtin:tiny"), p, 15)[0] for i, p in enumerate(ps)}
+    hits = {}
+    for ahead in (True, False):
+        w = make_worker(decode_ahead=ahead)
+        verified_then_plain, plain_after_plain = [0], [0]
+        last_drafted: set[str] = set()
+
+        def drafts(r) -> list[int]:
+            if r.rid in last_drafted:  # verified in the last step: none now, so it decodes plainly
+                last_drafted.discard(r.rid)
+                verified_then_plain[0] += 1
+                return []
+            if len(r.out) < 10:  # drafts on every other step, then plain steps only
+                last_drafted.add(r.rid)
+                right = want[r.rid][len(r.out)]
+                if all_right:
+                    return want[r.rid][len(r.out): len(r.out) + 2]
+                return [right, (right + 1) % 500]  # the first accepted, the second rejected
+            plain_after_plain[0] += 1
+            return []
+
+        d = SpecDriver(w.execute_model, w.config.block_size, w.runner.num_blocks, drafts)
+        for i, p in enumerate(ps):
+            d.add(f"r{i}", p)
+        before = w.runner.ahead_hits
+        assert d.run(15) == want
+        assert {n for step in d.tokens_per_step for n in step} == {3 if all_right else 2}  # accepted + 1
+        hits[ahead] = (w.runner.ahead_hits - before, verified_then_plain[0], plain_after_plain[0])
+        close(w, d)
+    got, after_verify, after_plain = hits[True]
+    assert after_verify >= 4 and got == after_verify + after_plain, hits  # each plain decode used a queued one
+    assert hits[False][0] == 0, hits
+
+
 def test_sampled_with_drafts_is_reproducible_per_seed(make_worker) -> None:
     w = make_worker()
     p = prompts(w.vocab_size(), [10], seed=11)[0]
