@@ -35,20 +35,31 @@ class Startup:
     _t0: float | None = None  # None: `stage` is only announced (queued), not running
 
     def begin(self, stage: str) -> None:
-        self.end()
+        # The next stage replaces the last one at once: /readyz never sees None in between (the
+        # report below writes, and lets other threads run).
+        closed = self._close()
         self.stage, self._t0 = stage, time.perf_counter()
+        self._report(closed)
         if self.report is not None:
             self.report(stage, None)
 
     def end(self) -> None:
         """Close the running stage (if any) and report it with its duration."""
+        closed = self._close()
+        if closed is not None:
+            self.stage = self._t0 = None
+        self._report(closed)
+
+    def _close(self) -> tuple[str, float] | None:
         if self.stage is None or self._t0 is None:
-            return
-        seconds = time.perf_counter() - self._t0
-        self.done.append((self.stage, seconds))
-        stage, self.stage, self._t0 = self.stage, None, None
-        if self.report is not None:
-            self.report(stage, seconds)
+            return None
+        closed = (self.stage, time.perf_counter() - self._t0)
+        self.done.append(closed)
+        return closed
+
+    def _report(self, closed: tuple[str, float] | None) -> None:
+        if closed is not None and self.report is not None:
+            self.report(*closed)
 
 
 def progress_reporter(stream: TextIO | None = None) -> Callable[[str, float | None], None]:

@@ -146,6 +146,18 @@ def test_startup_records_each_stage_and_clears_on_failure(home: str) -> None:
     assert failed[-1][0] == "loading the model" and math.isnan(failed[-1][1])  # reported as failed
 
 
+def test_the_stage_is_never_cleared_between_two_stages() -> None:
+    # /readyz reads `stage` from the event loop while the preload thread reports (a write to
+    # stderr lets the loop run): between two stages it must already name the next one.
+    during: list[str | None] = []
+    st = Startup()
+    st.report = lambda stage, seconds: during.append(st.stage)
+    st.begin("a")
+    st.begin("b")  # reports "a" done, then "b" begun: "b" is the stage for both
+    st.end()  # reports "b" done: the preload is over, nothing is starting any more
+    assert during == ["a", "b", "b", None] and [n for n, _ in st.done] == ["a", "b"]
+
+
 def test_generate_reports_a_failed_preload_instead_of_waiting(home: str, tmp_path) -> None:
     missing = str(tmp_path / "no-such-model")
     with spawn("--preload", "--model", missing) as s:
