@@ -47,6 +47,7 @@ from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
 from sidecar.server.startup import Startup, preload, progress_reporter
 from sidecar.server.sequencer import StepSequencer
+from sidecar.server.shutdown import drain, exit_when_idle
 from sidecar.steps import StepLedger, fingerprint
 from sidecar.worker import MLXWorker, State
 
@@ -122,7 +123,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             yield
         finally:
             sc.begin_drain()
-            await _drain(sc)
+            await drain(sc)
 
     async def rpc_reply(request: Any) -> tuple[int, dict[str, str], bytes, str]:
         """(status, headers, body, media type); `request`: Starlette's or server/lean.py's."""
@@ -304,44 +305,6 @@ def _preload(sc: Sidecar) -> None:
         sc.preload_error = f"{type(e).__name__}: {e}"
         sc.metrics.observe_error("preload")
         slog.exception("preload failed")
-
-
-async def exit_when_idle(sc: Sidecar, server: Any) -> None:
-    """After SIGTERM: tell uvicorn to stop once no call runs (or the shutdown deadline passed)."""
-    thread = sc.thread
-    while (thread is not None and (thread.busy or thread.depth()) and not server.should_exit
-           and time.monotonic() < (sc.deadline or 0)):
-        await asyncio.sleep(0.02)
-    # uvicorn's own wait for open connections gets only what is left of the deadline.
-    server.config.timeout_graceful_shutdown = max(0.1, (sc.deadline or 0) - time.monotonic())
-    server.should_exit = True
-
-
-async def _drain(sc: Sidecar) -> None:
-    """Shutdown, bounded by `sc.deadline`: wait for the running call, free MLX memory on the MLX
-    thread (worker.shutdown), stop the thread. Sets `sc.clean_shutdown` False when time ran out."""
-    thread = sc.thread
-    if thread is None:
-        return
-
-    def remaining() -> float:
-        return max(0.5, (sc.deadline or time.monotonic()) - time.monotonic())
-
-    sc.drop_queued()  # now, so that the scheduled drop cannot hit the worker.shutdown queued below
-    slog.info("shutting down: waiting up to %.3gs for the running call", remaining())
-    try:
-        budget = remaining()
-        await asyncio.wait_for(thread.call(sc.worker.shutdown, budget), budget)
-        slog.info("shutdown: worker freed, MLX active memory %d bytes", mx.get_active_memory())
-    except (asyncio.TimeoutError, Unavailable):
-        sc.clean_shutdown = False
-        slog.error("shutdown: a call was still running after the %gs shutdown timeout", sc.config.shutdown_timeout)
-    except Exception:  # noqa: BLE001 - still stop the thread
-        sc.clean_shutdown = False
-        slog.exception("shutdown: freeing the worker failed")
-    thread.stop()
-    if not await asyncio.get_running_loop().run_in_executor(None, thread.join, remaining()):
-        sc.clean_shutdown = False
 
 
 def serve(config: Config, worker: MLXWorker | None = None) -> int:
