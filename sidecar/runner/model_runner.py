@@ -216,8 +216,12 @@ class ModelRunner:
                 self.pool.copy_blocks(plan.block_copies)
             if defer_sampling:
                 logits, prompt_lp = self._logits(plan.rows, ahead)
-                if logits is not None:
-                    mx.async_eval(logits, self.pool.arrays())
+                if logits is not None:  # (as the decode-ahead: after the reply where the server can)
+                    arrays = [logits, *self.pool.arrays()]
+                    if self.dispatch_after_reply:
+                        self._dispatch = arrays
+                    else:
+                        mx.async_eval(arrays)
                 self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
                 self.last_stats = StepStats()
                 return None
