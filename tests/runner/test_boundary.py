@@ -132,3 +132,39 @@ def test_joins_preemption_skipped_steps_and_prefix_hits_keep_mlx_lm_tokens(make_
         want, want_lp = mlx_lm_greedy(model, prompt, n)
         r = d.reqs[rid]
         assert r.out[:n] == want and close(r.logprobs[:n], want_lp), rid
+
+
+def _idle_per_step(flag: str, steps: int = 330) -> tuple[list[float], list[float]]:
+    """A real server's MLX-thread idle (/info) per decode step of one greedy stream, split into the
+    steps that decode a block's first position (the crossings) and the others."""
+    from sidecar.client import RemoteWorker
+    from tests.server.serverproc import start_server
+
+    env = {"MLX_SIDECAR_BOUNDARY_AHEAD": flag, "MLX_SIDECAR_AUTH_TOKEN": None}
+    with start_server("--preload", "--max-model-len", "1024", env=env) as s, s.client() as http:
+        remote = RemoteWorker(s.url)
+        d = Driver(lambda so: remote.call("execute_model", scheduler_output=so), 16, http.get("/info").json()["num_blocks"])
+        add(d, "a", PROMPT, GREEDY | {"max_tokens": steps + 8})
+        cross: list[float] = []
+        other: list[float] = []
+        last = http.get("/info").json()["mlx_thread_idle_seconds"]
+        for i in range(steps):
+            d.step()
+            now = http.get("/info").json()["mlx_thread_idle_seconds"]
+            if i >= 2:  # (decodes; the idle before a step is counted with it)
+                (cross if d.reqs["a"].computed % 16 == 1 else other).append(now - last)
+            last = now
+        remote.close()
+    return cross, other
+
+
+def test_a_real_server_no_longer_idles_at_the_crossings(home) -> None:
+    """Without the boundary ahead, a crossing step's forward runs only once its call arrives: its
+    round trip is idle time of the MLX thread. With it, crossings idle no more than other steps."""
+    from statistics import median
+
+    on, on_other = _idle_per_step("1")
+    off, off_other = _idle_per_step("0")
+    assert len(on) == len(off) == 20
+    assert median(on) < median(off) and median(on) - median(on_other) < median(off) - median(off_other), (
+        median(on), median(on_other), median(off), median(off_other))
