@@ -168,3 +168,27 @@ def test_a_real_server_no_longer_idles_at_the_crossings(home) -> None:
     assert len(on) == len(off) == 20
     assert median(on) < median(off) and median(on) - median(on_other) < median(off) - median(off_other), (
         median(on), median(on_other), median(off), median(off_other))
+
+
+def test_a_lone_in_place_row_crosses_only_while_its_gather_is_cheap(make_worker, monkeypatch) -> None:
+    """Crossing turns a lone row's in-place read into a gather of its K/V: past MAX_GATHER_BYTES it
+    keeps the old rule; a scattered row (gathered anyway) or a row beside others still crosses."""
+    from sidecar.runner.requests import RequestState, Row
+    from sidecar.runner.sampler import SamplingParams
+
+    w = make_worker(num_blocks=64)
+    r, bs = w.runner, w.config.block_size
+    per_token = sum(s.page_size_bytes for s in r.specs) // bs
+    monkeypatch.setattr(boundary, "MAX_GATHER_BYTES", 20 * bs * per_token)  # 20 blocks' worth
+    st = RequestState("x", [1], SamplingParams(temperature=0.0), [])
+
+    def crossing(*tables: list[int], inside: int = 0) -> tuple[list[int], int | None]:
+        """Rows next at their blocks' end (the last `inside` of them: one slot before it)."""
+        at = [len(t) * bs - (i >= len(tables) - inside) for i, t in enumerate(tables)]
+        rows = [Row(st, p - 1, [1], t, True) for p, t in zip(at, tables)]
+        return boundary.admit(r, rows, list(range(len(rows))), at)
+
+    assert crossing(list(range(20))) == ([0], 0) and crossing(list(range(21))) == ([], None)
+    assert crossing([*range(20), 40]) == ([0], 0)  # not one run: a gather either way
+    assert crossing(list(range(21)), list(range(30, 33)), inside=1) == ([0, 1], 0)  # beside another row: the same
+    assert crossing([30, 31], [0, 1]) == ([0], 0)  # one crossing row per ahead forward (one scratch slot)
