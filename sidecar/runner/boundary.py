@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 enabled = os.environ.get("MLX_SIDECAR_BOUNDARY_AHEAD", "1") != "0"
 
 # A lone row whose blocks are one run is read in place; crossing makes that read a gather of its
-# whole K/V. Measured on the CPU backend (~12 GB/s: +0.3 ms at 4 MiB, builtin:longctx at 1k tokens),
-# past this it costs about the round trip it hides (~1 ms), and the old rule is kept.
-MAX_GATHER_BYTES = 4 << 20
+# whole K/V, measured on the CPU backend at +0.3 ms for 4 MiB, +0.65 ms for 8-12 MiB, +1.2 ms for
+# 16 MiB (builtin:longctx, builtin:small). Past this it costs about the ~1 ms round trip it hides
+# (one crossing in block_size steps either way), and the old rule is kept.
+MAX_GATHER_BYTES = 8 << 20
 
 
 def supported(runner: ModelRunner) -> bool:
