@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
-from sidecar.server.replygate import ReplyGate
+from sidecar.server.replygate import HOLD_MIN_CALL_SECONDS, ReplyGate
 from sidecar.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
 from sidecar.worker import ALLOWED, MLXWorker
 
@@ -143,6 +143,7 @@ class MLXThread:
             self.busy_since, self._running = time.monotonic(), job
             d0, d1 = self._deferred
             self.carried = max(0.0, d1 - max(d0, job.queued_at))
+            started = time.perf_counter()
             try:
                 result, error = job.fn(), None
             except BaseException as e:  # delivered to the awaiting handler, never kills the thread
@@ -162,7 +163,7 @@ class MLXThread:
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     pass
                 else:
-                    self._hold_for_reply(job)
+                    self._hold_for_reply(job, time.perf_counter() - started + self.carried)
             if gated:
                 self._publish()
             # (a dropped call still queued is no reason to skip it: depth counts live calls only)
@@ -190,11 +191,13 @@ class MLXThread:
             while self.publishing and time.monotonic() < deadline:
                 await asyncio.sleep(0.0002)
 
-    def _hold_for_reply(self, job: _Job) -> None:
+    def _hold_for_reply(self, job: _Job, seconds: float) -> None:
         """Before the after-reply hook: wait (bounded) until the event loop has written the reply,
         so the hook's forward does not take the cores the reply needs (server/replygate.py). Not
-        when another call waits: that one starts now."""
-        if job.gate is not None and self._after_reply is not None and not self.depth():
+        when another call waits (that one starts now), nor after a call shorter than
+        HOLD_MIN_CALL_SECONDS: there the wait would be a large share of the next step."""
+        if (job.gate is not None and self._after_reply is not None and seconds >= HOLD_MIN_CALL_SECONDS
+                and not self.depth()):
             job.gate.wait()
 
     async def call(self, fn: Callable[[], Any], timeout: float, gate: ReplyGate | None = None) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 
 from sidecar.server.instance import Instance
 from sidecar.server.lean import LeanApp
-from sidecar.server.replygate import HOLD_SECONDS, ReplyGate
+from sidecar.server.replygate import HOLD_MIN_CALL_SECONDS, HOLD_SECONDS, ReplyGate
 from sidecar.server.rpc import MLXThread
 
 
@@ -26,9 +26,9 @@ def test_the_gate_opens_once_and_its_wait_is_bounded() -> None:
     assert gate.is_open and ReplyGate().is_open is False
 
 
-def _run_gated(open_after: float | None) -> tuple[float, list[str]]:
-    """A gated call; the gate opened `open_after` seconds after the reply (None: never). Returns
-    how long after the reply the hook started, and the order of events."""
+def _run_gated(open_after: float | None, call_seconds: float = 2 * HOLD_MIN_CALL_SECONDS) -> tuple[float, list[str]]:
+    """A gated call of `call_seconds`; the gate opened `open_after` seconds after the reply (None:
+    never). Returns how long after the reply the hook started, and the order of events."""
     events: list[str] = []
     hooked = threading.Event()
     started: list[float] = []
@@ -42,7 +42,7 @@ def _run_gated(open_after: float | None) -> tuple[float, list[str]]:
         t = MLXThread(4, after_reply=hook, after_job=lambda: events.append("published"))
         gate = ReplyGate()
         try:
-            await t.call(lambda: events.append("call"), 5, gate)
+            await t.call(lambda: events.append("call") or time.sleep(call_seconds), 5, gate)
             replied = time.perf_counter()
             events.append("replied")
             if open_after is not None:
@@ -70,6 +70,12 @@ def test_a_gate_never_opened_holds_the_hook_for_the_bound_only() -> None:
     assert HOLD_SECONDS * 0.9 < delay < 0.5  # (negative control of the test above: it did wait)
 
 
+def test_a_short_call_does_not_hold_the_hook() -> None:
+    """A call shorter than HOLD_MIN_CALL_SECONDS (a small model's step): the hook runs at once."""
+    delay, events = _run_gated(0.2, call_seconds=0.0)
+    assert events.index("hook") < events.index("open") and delay < 0.15  # (the long call's hook waited for it)
+
+
 def test_a_probe_after_a_gated_reply_sees_its_state() -> None:
     """The state is published after the reply; `published()` waits for it (here a slow publish)."""
     state = {"n": 0}
@@ -82,7 +88,7 @@ def test_a_probe_after_a_gated_reply_sees_its_state() -> None:
         t = MLXThread(4, after_reply=lambda: None, after_job=publish)
         try:
             gate = ReplyGate()
-            await t.call(lambda: None, 5, gate)
+            await t.call(lambda: time.sleep(2 * HOLD_MIN_CALL_SECONDS), 5, gate)
             gate.open()
             pending, before = t.publishing, state["n"]
             await t.published(timeout=2)
