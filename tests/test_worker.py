@@ -36,10 +36,10 @@ def test_spec_and_block_bytes_are_exact(make_worker) -> None:
     assert s == {"type": "full_attention", "block_size": 16, "num_kv_heads": 2, "head_size": 16, "head_size_v": 16,
                  "dtype": "float32", "sliding_window": None, "page_size_bytes": 16 * 2 * 32 * 4}
     assert w.get_cache_block_size_bytes() == 2 * s["page_size_bytes"]
-    # The pool really is that big (plus the one padding slot per layer).
+    # The pool really is that big (plus a scratch slot and a padding slot per layer).
     pool = w.runner.pool
     slot_bytes = 2 * 16 * 4 * 2 * len(spec)
-    assert pool.nbytes == w.runner.num_blocks * w.get_cache_block_size_bytes() + slot_bytes
+    assert pool.nbytes == w.runner.num_blocks * w.get_cache_block_size_bytes() + 2 * slot_bytes
 
 
 def test_kv_dtype_override(make_worker) -> None:

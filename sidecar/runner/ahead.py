@@ -8,7 +8,9 @@ overlap goes (queueing a second would hold the step until the first is nearly co
 would hold the step's reply too; where the server runs `ModelRunner.after_reply` on the MLX thread
 after each reply (server/rpc.py), the forward is built in the step and dispatched there instead,
 so the reply leaves as soon as the step's own tokens are known and the next forward computes
-while it travels.
+while it travels. Without that caller it is dispatched as the step returns, never before the
+step's tokens: a task of the step still holding a pool buffer would keep MLX from donating it to
+the forward's K/V write, which would then copy the layer's whole pool.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from sidecar.runner import boundary
 from sidecar.runner.requests import Row
 
 if TYPE_CHECKING:
@@ -34,6 +37,7 @@ class _Ahead:
 
     rows: dict[str, tuple[int, int, tuple[int, ...], int]]  # req_id -> (position, token, blocks, index)
     logits: mx.array  # [rows, vocab]
+    crossing: boundary.Crossing | None = None  # the row that wrote into the scratch block
 
 
 def blocks_key(row: Row, n: int) -> tuple:
@@ -49,7 +53,7 @@ def plain_greedy(row: Row) -> bool:
 
 
 def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str] | frozenset[str] = frozenset(),
-          at: list[int] | None = None) -> tuple[list[int], mx.array] | None:
+          at: list[int] | None = None) -> tuple[list[int], mx.array, boundary.Crossing | None] | None:
     """Queue the forward of the likely next decode step on this step's tokens [rows], which may
     still be lazy: then it follows the sampling without a gap, as mlx-lm's generate loop does.
     Returns the rows it covers and its logits. `at`: each row's next position (r.end, unless it
@@ -58,31 +62,31 @@ def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str]
     at = at or [r.end for r in rows]
     # Rows that got new drafts (their next step is not a plain decode) are left out.
     idx = [i for i, r in enumerate(rows) if r.sample and r.state.req_id not in skip
-           and at[i] < len(r.block_ids) * bs and at[i] < runner.max_model_len
+           and at[i] <= len(r.block_ids) * bs and at[i] < runner.max_model_len
            and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
            < (r.state.sampling_params.max_tokens or 1 << 62)]
+    idx, cross = boundary.admit(runner, rows, idx, at)  # a row opening a new block: the scratch block
     if not idx:
         return None
-    nxt = [Row(rows[i].state, at[i], [0], rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids)
-           for i in idx]
+    nxt = [Row(rows[i].state, at[i], [0], boundary.table(runner.pool, rows[i]) if i == cross else rows[i].block_ids,  # type: ignore[arg-type]
+               True, other_block_ids=rows[i].other_block_ids) for i in idx]
     last: list[mx.array | None] = [None] * len(nxt)
     nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
     runner._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
     logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
-    if runner.dispatch_after_reply:  # dispatched once the reply is on its way (ModelRunner.after_reply)
-        runner._dispatch = [logits, *runner.pool.arrays()]  # type: ignore[union-attr]
-    else:
-        mx.async_eval(logits, runner.pool.arrays())  # type: ignore[union-attr]
-    return idx, logits
+    crossing = None if cross is None else boundary.save(runner.pool, rows[cross].state.req_id)  # type: ignore[arg-type]
+    todo = [logits, *runner.pool.arrays(), *(crossing.kv if crossing else [])]  # type: ignore[union-attr]
+    runner._dispatch = todo  # dispatched once the step's tokens are known (ModelRunner.after_reply)
+    return idx, logits, crossing
 
 
-def record(rows: list[Row], started: tuple[list[int], mx.array], token_ids: list[int], block_size: int,
+def record(rows: list[Row], started: tuple[list[int], mx.array, boundary.Crossing | None], token_ids: list[int], block_size: int,
            at: list[int] | None = None) -> _Ahead:
     """The queued forward, keyed by what the next step must match to use it (`at`: as for start)."""
-    idx, logits = started
+    idx, logits, crossing = started
     at = at or [r.end for r in rows]
     return _Ahead({rows[i].state.req_id: (at[i], int(token_ids[i]), blocks_key(rows[i], at[i] // block_size + 1), j)
-                   for j, i in enumerate(idx)}, logits)
+                   for j, i in enumerate(idx)}, logits, crossing)
 
 
 def take(runner: ModelRunner, ahead: _Ahead | None, rows: list[Row], decode: list[int], last: list) -> list[int]:
@@ -94,7 +98,10 @@ def take(runner: ModelRunner, ahead: _Ahead | None, rows: list[Row], decode: lis
     for i in decode:
         r = rows[i]
         got = ahead.rows.get(r.state.req_id)
-        if got is not None and got[:3] == (r.start, r.token_ids[0], blocks_key(r, r.start // bs + 1)):
+        # The crossing row matches on its first blocks; its new block then gets the scratch slot.
+        cross = ahead.crossing is not None and r.state.req_id == ahead.crossing.req_id
+        if got is not None and got[:3] == (r.start, r.token_ids[0], blocks_key(r, r.start // bs + (not cross))) and (
+                not cross or boundary.land(runner.pool, r, ahead.crossing)):  # type: ignore[arg-type]
             last[i] = ahead.logits[got[3] : got[3] + 1]
         else:
             rest.append(i)
