@@ -150,21 +150,23 @@ class MLXThread:
                 result, error = None, e
             finally:
                 self.busy_since, self._running = None, None
-            # A gated call (server/replygate.py) is answered first and published once its reply
-            # is written: the publishing is off the reply's path, and `published` lets the
-            # probes wait the few microseconds for it.
-            gated = job.gate is not None
-            if not gated:
+            # A call the thread holds its after-reply forward for (server/replygate.py) is answered
+            # first and published once its reply is written: off the reply's path, and `published`
+            # lets the probes wait the few microseconds for it. Any other call publishes first, as
+            # a short call's publish after the reply would compete with the loop writing it.
+            hold = job.future is not None and job.loop is not None and self._holds(
+                job, time.perf_counter() - started + self.carried)
+            if not hold:
                 self._publish()
             if job.future is not None and job.loop is not None:
-                self.publishing = gated
+                self.publishing = hold
                 try:
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
-                    pass
-                else:
-                    self._hold_for_reply(job, time.perf_counter() - started + self.carried)
-            if gated:
+                    hold = False
+                if hold:
+                    job.gate.wait()  # type: ignore[union-attr]
+            if self.publishing:
                 self._publish()
             # (a dropped call still queued is no reason to skip it: depth counts live calls only)
             if self._after_reply is not None and not self.depth():  # else the next call starts now
@@ -191,14 +193,13 @@ class MLXThread:
             while self.publishing and time.monotonic() < deadline:
                 await asyncio.sleep(0.0002)
 
-    def _hold_for_reply(self, job: _Job, seconds: float) -> None:
-        """Before the after-reply hook: wait (bounded) until the event loop has written the reply,
-        so the hook's forward does not take the cores the reply needs (server/replygate.py). Not
-        when another call waits (that one starts now), nor after a call shorter than
-        HOLD_MIN_CALL_SECONDS: there the wait would be a large share of the next step."""
-        if (job.gate is not None and self._after_reply is not None and seconds >= HOLD_MIN_CALL_SECONDS
-                and not self.depth()):
-            job.gate.wait()
+    def _holds(self, job: _Job, seconds: float) -> bool:
+        """Whether the after-reply hook waits (bounded) until the event loop has written this
+        call's reply, so the hook's forward does not take the cores the reply needs
+        (server/replygate.py). Not when another call waits (that one starts now), nor after a call
+        shorter than HOLD_MIN_CALL_SECONDS: there the wait would be a large share of the next step."""
+        return (job.gate is not None and self._after_reply is not None and seconds >= HOLD_MIN_CALL_SECONDS
+                and not self.depth())
 
     async def call(self, fn: Callable[[], Any], timeout: float, gate: ReplyGate | None = None) -> Any:
         """Run fn on the MLX thread. A call still queued after `timeout` is dropped (503); once
