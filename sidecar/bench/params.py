@@ -66,10 +66,11 @@ class BenchParams:
     sweep_prompt_len: int = 8
     sweep_new_tokens: int = 16
     # 8. small-model single stream: per-step costs exposed (a ~1 ms forward), same measure as 1.
+    # A run takes ~0.15 s, so one pair swings 0.65-1.9 with whatever else the 2 cores do: 9 pairs.
     tiny_model: str = "builtin:tiny"
     tiny_prompt_len: int = 32
-    tiny_new_tokens: int = 128
-    tiny_repeats: int = 5
+    tiny_new_tokens: int = 256
+    tiny_repeats: int = 9
     # 9. long-context decode: one stream decoding after `long_contexts` tokens of context, on a
     # model whose KV outgrows its weights (the context is prefilled once per length, then cached).
     long_model: str = "builtin:longctx"
@@ -113,7 +114,7 @@ def quick(**kw: object) -> BenchParams:
         pool_steps=8, pool_repeats=1,
         sampling_steps=3, sampling_repeats=1, sampling_prompt_len=2,
         sweep_prompt_len=4, sweep_new_tokens=4, warmup_new_tokens=4,
-        tiny_new_tokens=64, tiny_repeats=3, long_contexts=(1024, 4096), long_new_tokens=24, long_repeats=2,
+        tiny_new_tokens=128, tiny_repeats=5, long_contexts=(1024, 4096), long_new_tokens=24, long_repeats=2,
         spec_new_tokens=64, spec_repeats=1, spec_candidates=3, spec_probe_tokens=8,
     ).replace(**kw)
 

@@ -8,7 +8,9 @@ overlap goes (queueing a second would hold the step until the first is nearly co
 would hold the step's reply too; where the server runs `ModelRunner.after_reply` on the MLX thread
 after each reply (server/rpc.py), the forward is built in the step and dispatched there instead,
 so the reply leaves as soon as the step's own tokens are known and the next forward computes
-while it travels.
+while it travels. Without that caller it is dispatched as the step returns, never before the
+step's tokens: a task of the step still holding a pool buffer would keep MLX from donating it to
+the forward's K/V write, which would then copy the layer's whole pool.
 """
 
 from __future__ import annotations
@@ -74,10 +76,7 @@ def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str]
     logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
     crossing = None if cross is None else boundary.save(runner.pool, rows[cross].state.req_id)  # type: ignore[arg-type]
     todo = [logits, *runner.pool.arrays(), *(crossing.kv if crossing else [])]  # type: ignore[union-attr]
-    if runner.dispatch_after_reply:  # dispatched once the reply is on its way (ModelRunner.after_reply)
-        runner._dispatch = todo
-    else:
-        mx.async_eval(todo)
+    runner._dispatch = todo  # dispatched once the step's tokens are known (ModelRunner.after_reply)
     return idx, logits, crossing
 
 

@@ -144,7 +144,7 @@ class ModelRunner:
         """Dispatch the decode-ahead forward the last step built (ahead.py). The server's MLX thread
         calls this once a call's reply is handed over and no other call waits; the first call
         switches the runner to leaving that dispatch to it. Without a caller the forward is
-        dispatched in the step; one left undispatched is computed by the step that uses it."""
+        dispatched as the step returns; one left undispatched is computed by the step that uses it."""
         self.dispatch_after_reply = True
         todo, self._dispatch = self._dispatch, None
         if todo:
@@ -153,6 +153,14 @@ class ModelRunner:
             except BaseException:
                 self._ahead = None  # the next step computes its rows itself
                 raise
+
+    def _dispatch_unless_hooked(self) -> None:
+        """Without an after_reply caller, the queued forward is dispatched as the step returns: once
+        its tokens are known, so no task of the step still holds a pool buffer and MLX can donate
+        it to the next write (dispatched any earlier, the write copies each layer's whole pool)."""
+        if not self.dispatch_after_reply and self._dispatch:
+            todo, self._dispatch = self._dispatch, None
+            mx.async_eval(todo)
 
     # --- pool -------------------------------------------------------------------------------
 
@@ -217,11 +225,8 @@ class ModelRunner:
             if defer_sampling:
                 logits, prompt_lp = self._logits(plan.rows, ahead)
                 if logits is not None:  # (as the decode-ahead: after the reply where the server can)
-                    arrays = [logits, *self.pool.arrays()]
-                    if self.dispatch_after_reply:
-                        self._dispatch = arrays
-                    else:
-                        mx.async_eval(arrays)
+                    self._dispatch = [logits, *self.pool.arrays()]
+                    self._dispatch_unless_hooked()
                 self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
                 self.last_stats = StepStats()
                 return None
@@ -229,6 +234,7 @@ class ModelRunner:
         except BaseException:
             restore()
             raise
+        self._dispatch_unless_hooked()
         self.last_stats.seconds = time.perf_counter() - t0
         return result
 
@@ -248,6 +254,7 @@ class ModelRunner:
         except BaseException:
             p.restore()
             raise
+        self._dispatch_unless_hooked()
         self.last_stats.seconds = time.perf_counter() - p.started
         return result
 

@@ -165,7 +165,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             if step_id is not None:
                 await sc.sequencer.turn(step_id)
                 sc.sequencer.handed(step_id)  # no await until the call is queued: the order holds
-            result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout)
+            result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout,
+                                          getattr(request, "reply_gate", None))
             payload: Any = {"result": result}
             # The time the call spent on the MLX thread, so clients can see the transport's share.
             headers["server-timing"] = f"exec;dur={timing[0] * 1e3:.3f}"
@@ -229,6 +230,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def info(request: Request) -> Response:
         if config.protect_metrics:
             authorize(sc.token, request)
+        if sc.thread is not None:
+            await sc.thread.published()  # the last answered call's state (server/rpc.py)
         snap, thread = sc.metrics.snapshot, sc.thread
         return JSONResponse({
             "version": __version__, "protocol_version": PROTOCOL_VERSION, "state": sc.worker.state.value,
@@ -245,6 +248,8 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def metrics(request: Request) -> Response:
         if config.protect_metrics:
             authorize(sc.token, request)
+        if sc.thread is not None:
+            await sc.thread.published()
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(sc.metrics.registry), media_type=content_type)
 

@@ -12,6 +12,7 @@ content-length, content-type, and the instance id InstanceHeader adds). Everythi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -19,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect
 
 from sidecar.server.instance import INSTANCE_HEADER, Instance
+from sidecar.server.replygate import ReplyGate
 
 log = logging.getLogger("sidecar.rpc")
 
@@ -31,12 +33,14 @@ Reply = tuple[int, dict[str, str], bytes, str]  # status, headers, body, media t
 
 class LeanRequest:
     """What the RPC handler reads of a request: headers (first value of each, lower-case names),
-    the verb, the method name, and the body stream."""
+    the verb, the method name, and the body stream; and the gate the MLX thread waits on before
+    its after-reply work (opened once the reply is written, server/replygate.py)."""
 
-    __slots__ = ("headers", "method", "path_params", "_receive")
+    __slots__ = ("headers", "method", "path_params", "_receive", "reply_gate")
 
     def __init__(self, headers: dict[str, str], method: str, rpc_method: str, receive: Callable[[], Awaitable[dict]]):
         self.headers, self.method, self.path_params, self._receive = headers, method, {"method": rpc_method}, receive
+        self.reply_gate = ReplyGate()
 
     async def stream(self) -> AsyncIterator[bytes]:
         """The body's chunks, as Starlette's Request.stream (ClientDisconnect when the client goes)."""
@@ -83,6 +87,7 @@ class LeanApp(Starlette):
         if method is None:
             return await super().__call__(scope, receive, send)
         started = False
+        request: LeanRequest | None = None
         try:
             request = LeanRequest(headers_of(scope), scope["method"], method, receive)
             status, headers, content, media_type = await self._rpc_reply(request)
@@ -102,6 +107,11 @@ class LeanApp(Starlette):
                     (b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
                     self._instance_header]})
                 await send({"type": "http.response.body", "body": body})
+        finally:
+            if request is not None:
+                # After the transport's gathered write (server/coalesce.py flushes in a callback
+                # scheduled by the first write, so this one runs after it).
+                asyncio.get_running_loop().call_soon(request.reply_gate.open)
 
 
 def http_protocol() -> Any:

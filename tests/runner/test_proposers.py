@@ -91,6 +91,18 @@ def test_target_as_its_own_draft_gives_k_plus_one_tokens_per_step(make_worker, o
     assert sizes == {k + 1}, d.tokens_per_step
 
 
+@pytest.fixture(autouse=True)
+def _verify_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about what the proposers draft, not about when drafting pays: the verify
+    cost the n-gram proposer measures at run time (spec_policy.measure, a timing) would make them
+    depend on the machine's load, so it is pinned to free; tests/runner/test_spec_policy.py covers
+    the policy with measured and given costs."""
+    from sidecar.runner import proposers
+    from sidecar.runner.spec_policy import VerifyCost
+
+    monkeypatch.setattr(proposers, "_measure", lambda runner, k: VerifyCost(0.0))
+
+
 @pytest.fixture(scope="module")
 def noisy_draft(home: str) -> str:
     """builtin:tiny with a perturbed LM head: a draft that is right often, not always."""
