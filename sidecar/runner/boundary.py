@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
+from sidecar.runner.attention import is_run
 from sidecar.runner.kv_cache import KVPool, _parts
 from sidecar.runner.kv_spec import ATTENTION
 from sidecar.runner.requests import Row
@@ -56,14 +58,10 @@ def admit(runner: ModelRunner, rows: list[Row], idx: list[int], at: list[int]) -
     if len(inside) == len(idx) or not supported(runner):
         return inside, None
     cross = next(i for i in idx if at[i] >= len(rows[i].block_ids) * bs)
-    if not inside and _run(rows[cross].block_ids) and at[cross] * sum(
+    if not inside and is_run(np.asarray(rows[cross].block_ids)) and at[cross] * sum(
             sp.page_size_bytes for sp in runner.specs) > MAX_GATHER_BYTES * bs:
         return inside, None
     return sorted([*inside, cross]), cross
-
-
-def _run(table: list[int]) -> bool:
-    return table == list(range(table[0], table[0] + len(table))) if table else True
 
 
 def table(pool: KVPool, row: Row) -> list[int]:
