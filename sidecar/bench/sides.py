@@ -167,6 +167,20 @@ class TimedWorker(RemoteWorker):
         value = self.info().get("mlx_thread_idle_seconds")
         return float(value) if isinstance(value, (int, float)) else None
 
+    def device_idle(self, rows: int) -> tuple[float, int] | None:
+        """The server's device idle seconds over its decode steps of `rows` rows, and how many
+        steps (/info `device_idle`, cumulative; None: not measured there, e.g. off the CPU backend)."""
+        totals = self.info().get("device_idle")
+        if not isinstance(totals, dict):
+            return None
+        got = totals.get(str(rows)) or {}
+        return float(got.get("seconds", 0.0)), int(got.get("steps", 0))
+
+    def ahead_counts(self) -> tuple[int, int] | None:
+        """The server runner's decode-ahead (hits, misses), rows counted (/info `decode_ahead`)."""
+        got = self.info().get("decode_ahead")
+        return (int(got["hits"]), int(got["misses"])) if isinstance(got, dict) else None
+
     def _scrape(self, pattern: re.Pattern[bytes]) -> float | None:
         u = urlparse(self.url)
         for attempt in (0, 1):

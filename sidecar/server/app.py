@@ -240,6 +240,10 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
             "mlx_thread_idle_seconds": thread.idle_seconds if thread else 0.0,
+            # Per decode batch size: the device's idle time and the steps it was measured over
+            # (CPU backend; null elsewhere, server/deviceidle.py), and the decode-ahead's use.
+            "device_idle": thread.device.totals if thread else None,
+            "decode_ahead": _ahead_counts(sc.worker),
             "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
             "starting": sc.startup.stage,
             "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"
@@ -283,6 +287,13 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     return app
 
 
+def _ahead_counts(worker: Any) -> dict[str, int] | None:
+    runner = getattr(worker, "runner", None)
+    if runner is None or not hasattr(runner, "ahead_hits"):
+        return None
+    return {"hits": runner.ahead_hits, "misses": runner.ahead_misses}
+
+
 def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> Any:
     """The call as run on the MLX thread: timed, and steps recorded in the step metrics."""
 
@@ -297,7 +308,13 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
         # (a resend answered from the step ledger ran nothing: its stats are the previous step's)
         if (method in ("execute_model", "sample_tokens") and runner is not None and runner.last_stats.num_rows
                 and runner.last_stats is not before):
-            sc.metrics.observe_step(runner.last_stats)
+            stats = runner.last_stats
+            sc.metrics.observe_step(stats)
+            if sc.thread is not None:  # a decode step: its period counts in the device idle (deviceidle.py)
+                decode = stats.num_tokens == stats.num_rows and not stats.prompt_tokens and not stats.prefill_chunks
+                sc.thread.step_kind = (True, stats.num_rows if decode else None)
+        elif method in ("execute_model", "sample_tokens") and sc.thread is not None:
+            sc.thread.step_kind = (True, None)
         return result
 
     return run

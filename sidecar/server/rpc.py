@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
+from sidecar.server.deviceidle import DeviceIdle, discover_stream_threads
 from sidecar.server.replygate import HOLD_MIN_CALL_SECONDS, ReplyGate
 from sidecar.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
 from sidecar.worker import ALLOWED, MLXWorker
@@ -110,11 +111,18 @@ class MLXThread:
         # finished waits, and when the current one began (None while a job runs); one tuple, so
         # another thread reads a consistent pair.
         self._idle: tuple[float, float | None] = (0.0, None)
+        self.device = DeviceIdle([])  # the device's idle time per decode step (deviceidle.py), once started
+        # Set by the running job (app.py): it was a step, and a decode step of this many rows.
+        self.step_kind: tuple[bool, int | None] = (False, None)
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         try:
+            try:
+                self.device = DeviceIdle(discover_stream_threads())
+            except Exception:  # noqa: BLE001 - a measurement only; the thread serves without it
+                log.exception("finding the MLX stream's threads failed")
             self._run_jobs()
         finally:
             # MLX (>= 0.32) frees a thread's streams only when told to, before the thread ends;
@@ -144,6 +152,7 @@ class MLXThread:
             d0, d1 = self._deferred
             self.carried = max(0.0, d1 - max(d0, job.queued_at))
             started = time.perf_counter()
+            self.step_kind = (False, None)
             try:
                 result, error = job.fn(), None
             except BaseException as e:  # delivered to the awaiting handler, never kills the thread
@@ -158,6 +167,7 @@ class MLXThread:
                 job, time.perf_counter() - started + self.carried)
             if not hold:
                 self._publish()
+            self.device.mark(self.step_kind[1], self.step_kind[0])
             if job.future is not None and job.loop is not None:
                 self.publishing = hold
                 try:
