@@ -144,7 +144,7 @@ def test_a_real_server_reports_device_idle_per_decode_batch(server) -> None:
         paused = totals()["2"]
         assert paused["steps"] == back_to_back["steps"] + 1
         assert 0.25 < paused["seconds"] - back_to_back["seconds"] < 1.0
-        assert per_step < 0.05
+        assert per_step < 0.1  # (a fraction of the pause: on a loaded machine a starved MLX thread idles it too)
         ahead1 = w.info()["decode_ahead"]
         assert ahead1["hits"] - ahead0["hits"] >= 2 * 5  # the decode steps used the forward queued ahead
         d.finish("idle-a")
