@@ -302,8 +302,17 @@ class ModelRunner:
             # Sample lazily and queue the next step's forward behind it before waiting.
             lazy = True
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
-            mx.async_eval(tokens, nans, self.pool.arrays())
-            started = lookahead.start(self, rows, tokens)
+            if self.dispatch_after_reply:
+                # The forward this step uses was dispatched after the last reply and is still
+                # computing its last ops (the LM head): build the next one's graph meanwhile, not
+                # after queueing the tokens (async_eval would first wait for that tail). The pool's
+                # arrays are not passed: building rebinds them to the next forward's writes; the
+                # tokens depend on this step's writes, so those are computed with them.
+                started = lookahead.start(self, rows, tokens)
+                mx.async_eval(tokens, nans)
+            else:
+                mx.async_eval(tokens, nans, self.pool.arrays())
+                started = lookahead.start(self, rows, tokens)
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
         elif grammar is None and all(lookahead.plain_greedy(r) for r in rows):  # argmax is the whole sampler
             tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)

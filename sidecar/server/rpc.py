@@ -179,7 +179,9 @@ class MLXThread:
             if self.publishing:
                 self._publish()
             # (a dropped call still queued is no reason to skip it: depth counts live calls only)
-            if self._after_reply is not None and not self.depth():  # else the next call starts now
+            # Also when the next call is already queued: the forward it most likely uses starts now,
+            # and that call's own decode and plan run while its last ops compute.
+            if self._after_reply is not None:
                 t0 = time.perf_counter()
                 try:
                     self._after_reply()

@@ -54,8 +54,9 @@ def test_a_failing_hook_stops_nothing(caplog) -> None:
     assert "the work after a reply failed" in caplog.text
 
 
-def test_the_hook_waits_while_calls_are_queued() -> None:
-    """A call already waiting starts first (its step uses or recomputes what the hook would do)."""
+def test_the_hook_runs_after_each_call_also_with_one_queued() -> None:
+    """A call already waiting starts after the hook: the forward it most likely uses is dispatched
+    first (its decode and plan then run while that forward's last ops compute)."""
     gate = threading.Event()
     seen: list[int] = []
 
@@ -74,4 +75,4 @@ def test_the_hook_waits_while_calls_are_queued() -> None:
         return got
 
     assert asyncio.run(main()) == [True, 2]
-    assert seen == [0]  # only after the second call, with nothing queued
+    assert seen == [1, 0]  # after the first call (the second queued), then after the second
