@@ -259,9 +259,11 @@ class Metrics:
         self.step_duration.observe(stats.seconds)
         self.step_tokens.observe(stats.num_tokens)
         self.step_batch_size.observe(stats.num_rows)
-        self.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.prompt_tokens:  # (a decode step adds none: one lock fewer each)
+            self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
-        self.prefill_chunks.inc(stats.prefill_chunks)
+        if stats.prefill_chunks:
+            self.prefill_chunks.inc(stats.prefill_chunks)
         for t in stats.first_token_latencies:
             self.ttft.observe(t)
         if stats.draft_tokens:
