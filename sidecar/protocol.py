@@ -112,7 +112,10 @@ class SchedulerOutput:
         fast = cached_step(d)  # a step that only continues cached requests (wire_fast.py)
         if fast is not None:
             req_ids, toks, blocks, computed, nst, total, finished, preempted = fast
-            return cls([], CachedRequestData(req_ids, set(), toks, blocks, computed, {}), nst, total, finished, preempted)
+            return cls(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(
+                req_ids=req_ids, resumed_req_ids=set(), new_token_ids=toks, new_block_ids=blocks,
+                num_computed_tokens=computed, all_token_ids={}), num_scheduled_tokens=nst,
+                total_num_scheduled_tokens=total, finished_req_ids=finished, preempted_req_ids=preempted)
         check(d, dict, "scheduler_output")
         new_reqs = list_of(
             get(d, "scheduled_new_reqs", list, default=[]), "scheduled_new_reqs",

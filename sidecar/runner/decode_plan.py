@@ -67,7 +67,9 @@ def decode_plan(requests: dict[str, RequestState], out: SchedulerOutput, *, num_
             if len(table) < need:
                 return None
         updates.append((state, tables, None))
-        rows.append(Row(state, start, state.tokens(start, end), tables[0], end == num_tokens, 0, tables[1:]))
+        rows.append(Row(state, start, state.tokens(start, end), tables[0], end == num_tokens, num_draft=0,
+                        other_block_ids=tables[1:]))
     if total != out.total_num_scheduled_tokens:
         return None
-    return StepPlan([], [], updates, rows, [], out.kv_cache_block_copies)
+    return StepPlan(finished=[], new_states=[], updates=updates, rows=rows, preempted=[],
+                    block_copies=out.kv_cache_block_copies)
