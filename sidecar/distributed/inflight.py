@@ -1,4 +1,4 @@
-"""One collective of a tensor-parallel forward in flight at a time, so a lost peer raises instead of hanging.
+"""One collective of a group's forward in flight at a time, so a lost peer raises instead of hanging.
 
 MLX's ring backend (0.32) runs each socket's sends and receives on a thread of its own. When a peer
 dies, that thread fails the transfers it holds ("[ring] connection to a peer was lost") and exits;
@@ -11,20 +11,24 @@ far MLX's enqueueing has run ahead of the stream (its in-flight bound is a few t
 nodes): a graph with fewer nodes between collectives (a smaller decode graph) is more likely to
 hang.
 
-Here each of the model's sharded-to-all layers (the layers whose all_sum mlx-lm's `shard` puts
-in the forward) is evaluated asynchronously as it is built, after the previous one has finished:
-a failed collective raises in the forward, from the MLX thread, before another is queued. The
-compute between two collectives is queued at once (`async_eval` of the layer's input), so the
-stream runs it while the previous collective completes; only the next collective waits.
+Here, while a forward is built (`guarded`, around each padded batch's forward on the MLX thread),
+every mx.distributed collective the model calls (a sharded-to-all layer's all_sum, an MoE block's
+own all_sum, a pipeline stage's send/recv/all_gather) is evaluated asynchronously as it is built,
+after the previous one has finished: a failed collective raises in the forward, on the MLX thread,
+before another is queued. The compute before a collective is queued at once (`async_eval` of its
+input), so the stream runs it while the previous collective completes; only the next collective
+waits. The group's collectives all run on that thread meanwhile (rank 0 holds its call lock over
+the step; a follower has one loop), so swapping the module's functions for the forward's duration
+reaches every caller and no one else.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
 
 class InFlight:
@@ -33,9 +37,10 @@ class InFlight:
     def __init__(self) -> None:
         self._last: mx.array | None = None
 
-    def admit(self, x: mx.array) -> None:
+    def admit(self, x: mx.array | None) -> None:
         """Before queueing a collective on `x`: wait for the last one (raising if it failed)."""
-        mx.async_eval(x)
+        if x is not None:
+            mx.async_eval(x)
         last, self._last = self._last, None
         if last is not None:
             mx.eval(last)
@@ -49,28 +54,31 @@ class InFlight:
         self._last = None
 
 
-def _guarded(base: type) -> type:
-    def __call__(self: Any, x: mx.array) -> mx.array:
-        flight: InFlight = self.__dict__["_in_flight"]
+_COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
+
+
+def _guarded(fn: Callable[..., mx.array], flight: InFlight) -> Callable[..., mx.array]:
+    @functools.wraps(fn)
+    def collective(*args: Any, **kwargs: Any) -> mx.array:
+        x = next((a for a in args if isinstance(a, mx.array)), None)  # recv(shape, dtype, src) has none
         flight.admit(x)
-        out = base.__call__(self, x)
+        out = fn(*args, **kwargs)
         flight.launched(out)
         return out
 
-    return type(f"OneInFlight{base.__name__}", (base,), {"__call__": __call__})
+    return collective
 
 
-_SWAPS: dict[type, type] = {base: _guarded(base) for base in (ShardedToAllLinear, QuantizedShardedToAllLinear)}
-
-
-def one_collective_in_flight(model: nn.Module, flight: InFlight) -> int:
-    """Swap the sharded model's sharded-to-all layers for ones that queue their all_sum only after
-    the last one finished (parameters and names unchanged). Returns how many were swapped."""
-    n = 0
-    for _, m in model.named_modules():
-        swap = _SWAPS.get(type(m))
-        if swap is not None:
-            m.__class__ = swap
-            object.__setattr__(m, "_in_flight", flight)  # not a parameter
-            n += 1
-    return n
+@contextlib.contextmanager
+def guarded(flight: InFlight) -> Iterator[None]:
+    """While the forward is built: mx.distributed's collectives one in flight at a time."""
+    d = mx.distributed
+    originals = {name: getattr(d, name) for name in _COLLECTIVES if hasattr(d, name)}
+    for name, fn in originals.items():
+        setattr(d, name, _guarded(fn, flight))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(d, name, fn)
+        flight.clear()

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from sidecar.config import Config
 from sidecar.distributed.group import Channel
-from sidecar.distributed.inflight import InFlight, one_collective_in_flight
+from sidecar.distributed.inflight import InFlight, guarded
 from sidecar.errors import ProtocolError
 from sidecar.protocol import check, get
 from sidecar.runner import kv_groups
@@ -72,7 +72,7 @@ class GroupWorker(MLXWorker):
         self.global_specs: list[LayerSpec] = []
         self.layer_range = (0, 0)
         self._local_bytes = False
-        self.in_flight = InFlight()  # the TP forward's collectives, one at a time (distributed/inflight.py)
+        self.in_flight = InFlight()  # the forward's collectives, one at a time (distributed/inflight.py)
 
     @property
     def mode(self) -> str:
@@ -116,7 +116,6 @@ class GroupWorker(MLXWorker):
             if not hasattr(model, "shard"):
                 raise ProtocolError(f"mlx-lm's {c.get('model_type')} has no tensor parallelism (shard)", field=field)
             model.shard(self.channel.group)
-            one_collective_in_flight(model, self.in_flight)
             local = [dataclasses.replace(s, num_kv_heads=s.num_kv_heads // n) for s in specs]
             self.layer_range = (0, len(specs))
         else:
@@ -233,11 +232,9 @@ def _forward_one_at_a_time(runner: Any, in_flight: InFlight) -> None:
     forward = runner._forward
 
     def one_at_a_time(rows: list, where: list[int], last: list, *args: Any, **kwargs: Any) -> None:
-        try:
+        with guarded(in_flight):  # a rank lost mid-forward raises instead of hanging (distributed/inflight.py)
             forward(rows, where, last, *args, **kwargs)
             mx.eval([last[w] for w in where])
-        finally:
-            in_flight.clear()
 
     runner._forward = one_at_a_time
 

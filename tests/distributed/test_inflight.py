@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 
-from sidecar.distributed.inflight import InFlight, one_collective_in_flight
+from sidecar.distributed.inflight import InFlight, guarded
 from tests.distributed.groupproc import hostfile
 from tests.server.serverproc import ROOT
 
@@ -52,21 +52,23 @@ def test_negative_control_unguarded_forward_hangs(tmp_path) -> None:
     assert "equal: True" in out and hung, out
 
 
-def test_swaps_every_sharded_to_all_layer_and_keeps_the_result() -> None:
-    group = mx.distributed.init()  # a group of one: the same layers, all_sum of one rank
+def test_guarded_forward_keeps_the_result_and_restores_mlx() -> None:
+    group = mx.distributed.init()  # a group of one: the same layers and collectives, in process
     mx.random.seed(1)
     lin = [nn.Linear(32, 32) for _ in range(4)]
-    plain = nn.Sequential(*(AllToShardedLinear.from_linear(m, group=group) if i % 2 == 0 else
+    model = nn.Sequential(*(AllToShardedLinear.from_linear(m, group=group) if i % 2 == 0 else
                             ShardedToAllLinear.from_linear(m, group=group) for i, m in enumerate(lin)))
-    guarded = nn.Sequential(*(AllToShardedLinear.from_linear(m, group=group) if i % 2 == 0 else
-                              ShardedToAllLinear.from_linear(m, group=group) for i, m in enumerate(lin)))
-    flight = InFlight()
-    assert one_collective_in_flight(guarded, flight) == 2
-    assert all(isinstance(m, ShardedToAllLinear) for m in guarded.layers[1::2])
-    assert dict(guarded.parameters()).keys() == dict(plain.parameters()).keys()
     x = mx.random.normal((3, 1, 32))
-    y = guarded(x)
-    assert flight._last is not None  # the last collective is queued, held until the forward ends
-    assert mx.array_equal(y, plain(x)).item()
-    flight.clear()
+    plain = model(x)
+    originals = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather", "send", "recv_like")}
+    flight = InFlight()
+    with guarded(flight):
+        assert all(getattr(mx.distributed, n) is not f for n, f in originals.items())
+        y = model(x)
+        assert flight._last is not None  # the last collective queued, held until the forward ends
     assert flight._last is None
+    assert mx.array_equal(y, plain).item()
+    with pytest.raises(ValueError), guarded(flight):
+        model(x)
+        raise ValueError("a forward that raised")
+    assert all(getattr(mx.distributed, n) is f for n, f in originals.items()) and flight._last is None
