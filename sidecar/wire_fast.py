@@ -23,6 +23,11 @@ def _empty(v: Any, kind: type) -> bool:
     return v is None or (type(v) is kind and not v)
 
 
+def _ints(v: Any) -> bool:
+    """A list of ints (bool is not one: the full decode names it)."""
+    return type(v) is _LIST and all(type(x) is _INT for x in v)
+
+
 def _str_list(v: Any) -> list | None:
     if v is None:
         return []
@@ -71,37 +76,18 @@ def cached_step(d: Any) -> tuple | None:
         toks = [[] for _ in range(n)]
     elif type(toks) is not _LIST or len(toks) != n:
         return None
-    else:
-        for t in toks:
-            if type(t) is not _LIST:
-                return None
-            for x in t:
-                if type(x) is not _INT:
-                    return None
+    elif not all(_ints(t) for t in toks):
+        return None
     blocks = c("new_block_ids")
     if blocks is None:
         blocks = [None] * n
     elif type(blocks) is not _LIST or len(blocks) != n:
         return None
-    else:
-        for groups in blocks:
-            if groups is None:
-                continue
-            if type(groups) is not _LIST:
-                return None
-            for table in groups:
-                if type(table) is not _LIST:
-                    return None
-                for b in table:
-                    if type(b) is not _INT:
-                        return None
+    elif not all(gs is None or (type(gs) is _LIST and all(_ints(t) for t in gs)) for gs in blocks):
+        return None
     computed = c("num_computed_tokens")
     if computed is None:
         computed = [0] * n
-    elif type(computed) is not _LIST or len(computed) != n:
+    elif not _ints(computed) or len(computed) != n:
         return None
-    else:
-        for x in computed:
-            if type(x) is not _INT:
-                return None
     return req_ids, toks, blocks, computed, nst, total, finished, preempted
