@@ -28,6 +28,7 @@ INT_KEYED_MAPS = frozenset({"logit_bias"})
 
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 _KEY_TYPES = frozenset({str, int})
+_STR_KEYS = frozenset({str})
 # A JSON escape of a UTF-16 surrogate: the only way a lone surrogate gets into a decoded string
 # (the body itself must be valid UTF-8, which excludes encoded surrogates).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -106,6 +107,8 @@ def decode_body(body: bytes, content_type: str) -> dict:
 
 
 def _decode(body: bytes, is_json: bool) -> dict:
+    if not is_json and len(body) <= FAST_MAX_BYTES and (value := _canonical(body)) is not None:
+        return value
     try:
         if not is_json:
             value = msgpack.unpackb(
@@ -129,6 +132,60 @@ def _decode(body: bytes, is_json: bool) -> dict:
     if is_json and _SURROGATE_ESCAPE.search(body):
         _check_strings(value)
     return value
+
+
+# The fast path takes small msgpack bodies (a decode step's is a few hundred bytes).
+FAST_MAX_BYTES = 64 * 1024
+
+
+def _canonical(body: bytes) -> dict | None:
+    """A msgpack body decoded without a Python call per map, when that is safe to do: the decoded
+    map re-encodes to exactly `body` (so no key was repeated: a repeat would have shortened its
+    map), and `_plain` finds nothing the full checks would look at twice. Then the full decode
+    would return the same map. None: anything else (the full decode answers, errors included)."""
+    try:
+        value = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_no_ext, use_list=True,
+                                max_str_len=len(body), max_bin_len=len(body), max_array_len=MAX_CONTAINER_LEN,
+                                max_map_len=MAX_CONTAINER_LEN)
+        if type(value) is not dict or not _plain(value) or msgpack.packb(value, use_bin_type=True) != body:
+            return None
+    except Exception:  # noqa: BLE001 - the full decode names what is wrong
+        return None
+    return value
+
+
+def _plain(root: dict) -> bool:
+    """String keys only, at most MAX_MAPS maps and MAX_DEPTH levels, scalar leaves: what `_map`
+    and `_check_tree` accept without a second look."""
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    maps = 0
+    scalars = _SCALARS
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return False
+        if type(node) is dict:
+            maps += 1
+            if maps > MAX_MAPS:
+                return False
+            for k, v in node.items():
+                if type(k) is not str:
+                    return False
+                tv = type(v)
+                if tv is dict or tv is list:
+                    stack.append((v, depth + 1))
+                elif tv not in scalars:
+                    return False
+        elif len(node) > 16 and set(map(type, node)) <= scalars:  # (a long list of scalars: in C)
+            continue
+        else:
+            for v in node:
+                tv = type(v)
+                if tv is dict or tv is list:
+                    stack.append((v, depth + 1))
+                elif tv not in scalars:
+                    return False
+    return True
 
 
 def _path(entry: tuple | None) -> str:

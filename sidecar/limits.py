@@ -92,9 +92,58 @@ def _sampling(sp: dict, lim: Limits, path: str) -> None:
             _at_most(w, lim.max_model_len, "a bad word (max_model_len)", f"{path}.{key}[{i}]")
 
 
+def _decode_within_bounds(so: dict, requests: Mapping[str, Any], lim: Limits) -> bool:
+    """True for a step with no new requests (nor resumed ones, stated tokens for all, block copies)
+    that keeps every bound below: `check_step_shape` would pass it. False: let it look."""
+    g = so.get
+    new = g("scheduled_new_reqs")
+    cached = g("scheduled_cached_reqs")
+    if new or (new is not None and type(new) is not list) or type(cached) is not dict or g("kv_cache_block_copies"):
+        return False
+    c = cached.get
+    rids = c("req_ids")
+    if (type(rids) is not list or c("resumed_req_ids") or c("resumed_from_preemption") is not None
+            or c("all_token_ids")):
+        return False
+    n = len(rids)
+    if n > lim.max_live_requests:
+        return False
+    for rid in rids:
+        if type(rid) is not str or len(rid) > lim.max_req_id_len:
+            return False
+    for key in ("new_token_ids", "new_block_ids", "num_computed_tokens", "num_output_tokens"):
+        v = c(key)
+        if type(v) is list and len(v) != n and not (key == "new_token_ids" and not v):
+            return False
+    for toks in _list(c("new_token_ids")):
+        if _len(toks) > lim.max_model_len:
+            return False
+    cap = lim.max_table_len
+    for rid, groups in zip(rids, _list(c("new_block_ids"))):
+        if _len(groups) > MAX_KV_CACHE_GROUPS:
+            return False
+        if type(groups) is list:
+            state = requests.get(rid)
+            have = len(state.block_ids) if state is not None else 0
+            for table in groups:
+                if _len(table) + have > cap:
+                    return False
+    if _len(g("num_scheduled_tokens")) > n:
+        return False
+    finished = g("finished_req_ids")
+    for ids in (finished, g("preempted_req_ids")):
+        if _len(ids) > MAX_ID_LIST:
+            return False
+        for rid in _list(ids):
+            if type(rid) is not str or len(rid) > lim.max_req_id_len:
+                return False
+    gone = len({r for r in finished if type(r) is str} & requests.keys()) if type(finished) is list and finished else 0
+    return len(requests) - gone <= lim.max_live_requests
+
+
 def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
     """Raise ProtocolError (with the field) when a scheduler_output breaks a bound."""
-    if type(so) is not dict:
+    if type(so) is not dict or _decode_within_bounds(so, requests, lim):
         return
     new = so.get("scheduled_new_reqs")
     _at_most(new, lim.max_live_requests, "scheduled_new_reqs", "scheduled_new_reqs")

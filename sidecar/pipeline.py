@@ -44,7 +44,7 @@ class Pipeline:
             from sidecar.client import RemoteWorker
 
             self._conns = [RemoteWorker(url, token, timeout)._connection() for _ in range(2)]
-            self._headers = {"content-type": MSGPACK, "accept": MSGPACK}
+            self._headers = {"content-type": MSGPACK}  # (the reply comes in the request's format)
             if token:
                 self._headers["authorization"] = f"Bearer {token}"
             self._sent = 0
@@ -67,7 +67,7 @@ class Pipeline:
         self.sock.settimeout(timeout)
         self.sock.connect(address)
         auth = f"authorization: Bearer {token}\r\n" if token else ""
-        self._head = f"host: {u.hostname or 'localhost'}\r\ncontent-type: {MSGPACK}\r\naccept: {MSGPACK}\r\n{auth}"
+        self._head = f"host: {u.hostname or 'localhost'}\r\ncontent-type: {MSGPACK}\r\n{auth}"
         self._buf = bytearray()
 
     def submit(self, method: str, **kwargs: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from sidecar.errors import ProtocolError
 from sidecar.sampling_params import SamplingParams
+from sidecar.wire_fast import cached_step
 
 # The codecs live in codec.py (no MLX); re-exported for the callers that import them from here.
 from sidecar.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
@@ -108,6 +109,13 @@ class SchedulerOutput:
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
+        fast = cached_step(d)  # a step that only continues cached requests (wire_fast.py)
+        if fast is not None:
+            req_ids, toks, blocks, computed, nst, total, finished, preempted = fast
+            return cls(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(
+                req_ids=req_ids, resumed_req_ids=set(), new_token_ids=toks, new_block_ids=blocks,
+                num_computed_tokens=computed, all_token_ids={}), num_scheduled_tokens=nst,
+                total_num_scheduled_tokens=total, finished_req_ids=finished, preempted_req_ids=preempted)
         check(d, dict, "scheduler_output")
         new_reqs = list_of(
             get(d, "scheduled_new_reqs", list, default=[]), "scheduled_new_reqs",

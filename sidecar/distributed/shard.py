@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 
 from sidecar.config import Config
 from sidecar.distributed.group import Channel
+from sidecar.distributed.inflight import InFlight, guarded
 from sidecar.errors import ProtocolError
 from sidecar.protocol import check, get
 from sidecar.runner import kv_groups
@@ -71,6 +72,7 @@ class GroupWorker(MLXWorker):
         self.global_specs: list[LayerSpec] = []
         self.layer_range = (0, 0)
         self._local_bytes = False
+        self.in_flight = InFlight()  # the forward's collectives, one at a time (distributed/inflight.py)
 
     @property
     def mode(self) -> str:
@@ -91,7 +93,7 @@ class GroupWorker(MLXWorker):
         runner = self.runner
         assert runner is not None
         runner.decode_ahead = False
-        _forward_one_at_a_time(runner)
+        _forward_one_at_a_time(runner, self.in_flight)
         cls = LeaderSampler if self.channel.leader else FollowerSampler
         runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]
 
@@ -223,15 +225,16 @@ class GroupWorker(MLXWorker):
                             "(mlx-lm does not shard adapters)", field="lora_request")
 
 
-def _forward_one_at_a_time(runner: Any) -> None:
+def _forward_one_at_a_time(runner: Any, in_flight: InFlight) -> None:
     """Evaluate each padded batch of a step before building the next. Under pipeline parallelism
     the ranks' graphs differ (one stage receives where another sends), so two batches left lazy
     together may run their send/recv/all_gather in a different order on each rank: a deadlock."""
     forward = runner._forward
 
     def one_at_a_time(rows: list, where: list[int], last: list, *args: Any, **kwargs: Any) -> None:
-        forward(rows, where, last, *args, **kwargs)
-        mx.eval([last[w] for w in where])
+        with guarded(in_flight):  # a rank lost mid-forward raises instead of hanging (distributed/inflight.py)
+            forward(rows, where, last, *args, **kwargs)
+            mx.eval([last[w] for w in where])
 
     runner._forward = one_at_a_time
 

@@ -17,7 +17,12 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.rope_utils import Llama3RoPE
+
+from sidecar.runner.decode_attention import ATTENTION_SWAPS
+from sidecar.runner.fused_linear import LINEAR_SWAPS
+from sidecar.runner.shared_rope import shared_rope
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,14 +52,20 @@ def _rms_norm(eps: float) -> Callable[[mx.array, mx.array], mx.array]:
 class _DecodeCompiledRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if isinstance(offset, mx.array) and x.ndim == 4 and x.shape[-2] == 1:  # [B, H, 1, D]
-            return _rope(self.dims, self.traditional, self.base, self.scale)(x, offset)
+            key = (self.dims, self.traditional, self.base, self.scale, None)
+            return shared_rope(x, offset, key, lambda p: _rope(self.dims, self.traditional, self.base, self.scale)(p, offset))
         return super().__call__(x, offset)
 
 
 class _DecodeCompiledLlama3RoPE(Llama3RoPE):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if isinstance(offset, mx.array) and x.ndim == 4 and x.shape[-2] == 1:
-            return _rope_freqs(self.dims, self.traditional)(x, offset, self._freqs)
+            fkey = self.__dict__.get("_freqs_key")
+            if fkey is None or fkey[0] is not self._freqs:
+                fkey = (self._freqs, bytes(memoryview(np.array(self._freqs))))
+                object.__setattr__(self, "_freqs_key", fkey)  # not a parameter
+            key = (self.dims, self.traditional, None, 1.0, fkey[1])
+            return shared_rope(x, offset, key, lambda p: _rope_freqs(self.dims, self.traditional)(p, offset, self._freqs))
         return super().__call__(x, offset)
 
 
@@ -66,7 +77,7 @@ class _DecodeCompiledRMSNorm(nn.RMSNorm):
 
 
 _SWAPS: dict[type, type] = {nn.RoPE: _DecodeCompiledRoPE, Llama3RoPE: _DecodeCompiledLlama3RoPE,
-                             nn.RMSNorm: _DecodeCompiledRMSNorm}
+                             nn.RMSNorm: _DecodeCompiledRMSNorm, **LINEAR_SWAPS, **ATTENTION_SWAPS}
 
 
 def _compiles() -> bool:

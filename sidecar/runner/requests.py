@@ -98,6 +98,10 @@ def plan_step(
     `state_groups`: the groups of recurrent layers (None: the model has none). Their state lives in
     the request's first block of the group; it cannot be recovered from blocks, so such a model
     computes every request from position 0 (no prefix caching) and in order."""
+    fast = _decode_plan.decode_plan(requests, out, num_blocks=num_blocks, block_size=block_size,
+                                    max_model_len=max_model_len, state_groups=state_groups, num_groups=num_groups)
+    if fast is not None:  # a step that only continues cached requests (decode_plan.py)
+        return fast
     recurrent = state_groups is not None
     finished = set(out.finished_req_ids)  # unknown finished ids are ignored, as vLLM's runner does
     live = {rid for rid in requests if rid not in finished}
@@ -282,3 +286,6 @@ def apply(requests: dict[str, RequestState], plan: StepPlan) -> None:
             state.output_token_ids = list(outputs)
     for row in plan.rows:
         row.state.num_computed_tokens = row.end
+
+
+from sidecar.runner import decode_plan as _decode_plan  # noqa: E402 (it builds this module's types)

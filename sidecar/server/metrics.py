@@ -85,10 +85,33 @@ class Snapshot:
             max_model_len=runner.max_model_len if runner is not None else None,
             vocab_size=runner.vocab_size if runner is not None else None,
             kv_cache_spec=spec_wire(specs) if specs else None,
-            blocks_used=len(set().union(*(t for r in runner.requests.values() for t in [r.block_ids, *r.other_block_ids])))
-            if runner is not None and pool else 0,
-            running_requests=len(runner.requests) if runner is not None and pool else 0,
+            **cls.usage(w),
         )
+
+    @staticmethod
+    def usage(w: MLXWorker) -> dict[str, int]:
+        """The fields a step changes."""
+        runner = w.runner
+        if runner is None or not runner.pool:
+            return {"blocks_used": 0, "running_requests": 0}
+        reqs = runner.requests
+        return {"blocks_used": len(set().union(*(t for r in reqs.values() for t in [r.block_ids, *r.other_block_ids]))),
+                "running_requests": len(reqs)}
+
+    @staticmethod
+    def static_key(w: MLXWorker) -> tuple:
+        """What every other field is derived from: while it compares equal, only `usage` changes."""
+        runner = w.runner
+        pool = runner.pool if runner is not None else None
+        return (w.config, w.model_path, w.device, w.model is not None and w.weights_bytes,
+                pool.num_blocks if pool is not None else 0, tuple(getattr(w, "global_specs", None) or ()),
+                (runner.max_model_len, runner.vocab_size, tuple(runner.specs)) if runner is not None else None)
+
+    def with_usage(self, w: MLXWorker) -> Snapshot:
+        """This snapshot with the step-dependent fields of `w` (a new object: published ones never change)."""
+        snap = object.__new__(Snapshot)
+        snap.__dict__.update(self.__dict__, **self.usage(w))  # (frozen: past __setattr__, before it is shared)
+        return snap
 
 
 class WorkerCollector(Collector):
@@ -163,6 +186,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, worker: Callable[[], MLXWorker], *, process: bool = True):
         self.registry = registry
         self.snapshot = Snapshot()
+        self._static_key: tuple | None = None  # what self.snapshot's static fields were derived from
         self.instance = Instance()  # the app sets the server's own
         self.thread: Any = None  # the app's MLXThread, once started (its idle time is a counter)
         self.last_step_seconds = 0.0
@@ -205,8 +229,13 @@ class Metrics:
         self._err: dict[str, Counter] = {}
 
     def publish(self, worker: MLXWorker) -> None:
-        """Called on the thread that owns the worker after each call: one atomic swap."""
-        self.snapshot = Snapshot.of(worker)
+        """Called on the thread that owns the worker after each call: one atomic swap. Between
+        steps only the usage fields change: the rest is carried over while its key holds."""
+        key = Snapshot.static_key(worker)
+        if key == self._static_key:
+            self.snapshot = self.snapshot.with_usage(worker)
+        else:
+            self.snapshot, self._static_key = Snapshot.of(worker), key
 
     def observe_rpc(self, method: str, code: int, seconds: float) -> None:
         child = self._rpc.get((method, code))
@@ -230,9 +259,11 @@ class Metrics:
         self.step_duration.observe(stats.seconds)
         self.step_tokens.observe(stats.num_tokens)
         self.step_batch_size.observe(stats.num_rows)
-        self.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.prompt_tokens:  # (a decode step adds none: one lock fewer each)
+            self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
-        self.prefill_chunks.inc(stats.prefill_chunks)
+        if stats.prefill_chunks:
+            self.prefill_chunks.inc(stats.prefill_chunks)
         for t in stats.first_token_latencies:
             self.ttft.observe(t)
         if stats.draft_tokens:

@@ -55,8 +55,14 @@ def readyz(group: Group) -> tuple[int, dict] | None:
         return None
 
 
-def test_killed_rank_1_makes_rank_0_unhealthy_then_exit_nonzero(home: str) -> None:
-    with start_group(*FLAGS) as g:
+# PP=2 too: a stage's recv/send and all_gather in one forward hung rank 0 as the TP all_sums did
+# (distributed/inflight.py).
+PP_FLAGS = ("--pipeline-parallel", "2", "--model", "builtin:tiny-qwen2", *FLAGS[2:])
+
+
+@pytest.mark.parametrize("flags", [FLAGS, PP_FLAGS], ids=["tp", "pp"])
+def test_killed_rank_1_makes_rank_0_unhealthy_then_exit_nonzero(home: str, flags: tuple[str, ...]) -> None:
+    with start_group(*flags) as g:
         errors: list = []
         stop = threading.Event()
         t = threading.Thread(target=steps_until_error, args=(g, errors, stop), daemon=True)

@@ -421,3 +421,41 @@ def test_prometheus_scrapes_the_sidecar(server) -> None:
         assert float(r["data"]["result"][0]["value"][1]) < 0.1, r
     targets = httpx.get(f"{prom.api}/targets").json()["data"]["activeTargets"]
     assert [t["health"] for t in targets] == ["up"] and targets[0]["lastError"] == ""
+
+
+def test_the_published_snapshot_is_a_full_rebuild_after_every_call(make_worker, monkeypatch) -> None:
+    """Between steps only the usage fields are recomputed (Snapshot.static_key): the result equals
+    a full Snapshot.of after steps, a new pool, sleep and wake, shutdown and a fresh start."""
+    from sidecar.scheduler import Request, Scheduler, run
+    from sidecar.server.metrics import Snapshot
+
+    w = make_worker(num_blocks=64)
+    m = Metrics(CollectorRegistry(), lambda: w, process=False)
+    full = []
+    of = Snapshot.of
+    monkeypatch.setattr(Snapshot, "of", classmethod(lambda cls, w: full.append(1) or of(w)))
+
+    def publish_and_check() -> None:
+        m.publish(w)
+        assert m.snapshot == of(w)
+
+    publish_and_check()
+    sched = Scheduler(num_blocks=64, block_size=w.config.block_size, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add_request(Request("a", list(range(5, 25)), {"temperature": 0.0}, max_tokens=6, ignore_eos=True))
+    seen = []
+
+    def step(so: dict) -> dict:
+        out = w.execute_model(so).to_wire()
+        publish_and_check()
+        seen.append(m.snapshot.blocks_used)
+        return out
+
+    run(sched, step)
+    assert len(full) == 1  # the steps only refreshed usage
+    assert max(seen) >= 2 and seen[-1] == 0  # (it did move: the request held blocks, then none)
+    for call in (lambda: w.initialize_cache(32, 0), lambda: w.sleep(1), lambda: w.wake_up(None),
+                 lambda: w.sleep(2), lambda: w.wake_up(None), w.shutdown, w.init_device, w.load_model,
+                 lambda: w.initialize_cache(16, 0)):
+        call()
+        publish_and_check()
+    assert m.snapshot.num_blocks == 16 and len(full) > 1
