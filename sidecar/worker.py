@@ -113,12 +113,17 @@ class MLXWorker(StateMachine):
         from mlx_lm.utils import load_model
 
         from sidecar.models import ModelNotFound, resolve_model
+        from sidecar.models.importable import check_importable
+        from sidecar.runner.kv_spec import UnsupportedModel
 
         try:  # what fails here is the model directory the operator configured: 4xx, and no paths
             path = resolve_model(self.config.model, self.config.home)
+            check_importable(path)  # 400 (field model) naming a package mlx-lm's module needs
             model, config = load_model(path, lazy=self.lazy_load)
             self.model, self.model_config, self.model_path = model, config, path
             vocab, eos = vocab_size(config), eos_ids(config, path)
+        except UnsupportedModel:
+            raise
         except (Exception, SystemExit) as e:  # noqa: BLE001 (mlx-lm's olmo module exits without ai2-olmo)
             self.model, self.model_config, self.model_path = None, {}, None
             why = "not found or not an mlx-lm model directory" if isinstance(e, ModelNotFound) else type(e).__name__

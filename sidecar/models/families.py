@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import zlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "deepseek_v32": {**_MOE, **_MLA, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                      "topk_group": 1, "num_key_value_heads": 4, "index_head_dim": 16, "index_n_heads": 2,
                      "index_topk": 4},
+    "phixtral": {"num_vocab": 256, "model_dim": 64, "num_heads": 4, "num_layers": 2, "rotary_dim": 8},
+    "bailing_hybrid": {**_MOE, **_MLA, "num_hidden_layers": 4, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                       "first_k_dense_replace": 1, "layer_group_size": 2, "group_norm_size": 1,
+                       "routed_scaling_factor": 1.0, "num_key_value_heads": 4},
+    # Refused (tests/runner/test_architectures.py REFUSED): Metal-only kernels, a missing package.
+    "bitnet": {},
+    "olmo": {"d_model": 64, "n_layers": 2, "mlp_hidden_size": 256, "n_heads": 4, "embedding_size": 256},
 }
 FAMILIES["gemma3n"] = {"text_config": {
     **_BASE, "model_type": "gemma3n_text", "num_hidden_layers": 4, "num_kv_shared_layers": 2,
@@ -216,8 +224,27 @@ FAMILIES["gemma3n"] = {"text_config": {
     "layer_types": ["sliding_attention", "full_attention"] * 2, "altup_num_inputs": 2, "altup_coef_clip": 120.0,
     "altup_correct_scale": True, "altup_active_idx": 0, "laurel_rank": 8}}
 
+FAMILIES["minimax_m3_vl"] = {"text_config": {
+    **_BASE, "model_type": "minimax_m3", "intermediate_size": 32, "dense_intermediate_size": 128,
+    "shared_intermediate_size": 32, "num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "routed_scaling_factor": 1.0, "mlp_layer_types": ["dense", "sparse", "sparse"],
+    # block-sparse attention: 4-key blocks, 2 kept (one local) once a context passes 8 keys
+    "layer_types": ["full_attention", "sparse_attention", "sparse_attention"], "index_n_heads": 2,
+    "index_head_dim": 16, "index_block_size": 4, "index_topk_blocks": 2, "index_local_blocks": 1}}
+FAMILIES["muse_spark"] = {"text_config": {
+    **_BASE, "num_hidden_layers": 3, "post_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0},
+    "layer_rope_theta": [10000.0, 10000.0, 0], "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": 8, "final_logit_softcapping": 30.0, "output_multiplier": 1.0, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "moe_hidden_size": 32, "moe_intermediate_size": 32}}
+# A 2-bit Hadamard pack of qwen3_5: the down projections (width 512) are packed and rotated.
+FAMILIES["prism_hadamard_qwen35"] = {
+    "text_config": {**_BASE, **FAMILIES["qwen3_5"], "model_type": "qwen3_5", "intermediate_size": 512},
+    "schema_version": 1, "tensor_namespace": "mlx-lm-text", "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+    "modules": [{"path": f"model.layers.{i}.mlp.down_proj", "embedding": False, "dtype": "float16", "block": 512}
+                for i in range(4)]}
+
 # Multimodal wrappers mlx-lm serves as text models: a text_config of the inner family.
-_WRAPPERS = {"gemma3": "gemma3_text", "mistral3": "llama", "pixtral": "llama", "kimi_vl": "deepseek_v3",
+_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "mistral3": "llama", "pixtral": "llama", "kimi_vl": "deepseek_v3",
              "qwen3_vl_moe": "qwen3_moe", "lfm2-vl": "lfm2", "kimi_k25": "deepseek_v3"}
 FAMILIES.update({w: {"text_config": {**_BASE, **FAMILIES[inner], "model_type": inner}}
                  for w, inner in _WRAPPERS.items()})
@@ -230,20 +257,37 @@ def tiny_config(family: str) -> dict[str, Any]:
 def build(family: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     """(model, config): the family's mlx-lm Model with deterministic random float32 weights."""
     import mlx.core as mx
-    import numpy as np
     from mlx.utils import tree_flatten
-
-    from sidecar.models.builtin import _init
 
     config = tiny_config(family)
     mod = importlib.import_module(f"mlx_lm.models.{family}")
     model = mod.Model(mod.ModelArgs.from_dict(config))
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    # 0-d parameters (learned activation constants) are set to 0.5
-    weights = [(k, mx.array(_init(k, s, config, seed) if s else np.float32(0.5))) for k, s in sorted(shapes.items())]
+    params = dict(tree_flatten(model.parameters()))
+    weights = [(k, _param(k, v, config, seed)) for k, v in sorted(params.items())]
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model, config
+
+
+def _param(name: str, like: Any, config: dict[str, Any], seed: int) -> Any:
+    """One random parameter of `like`'s shape and dtype. Packed (already quantized) layers hold
+    integer words, float16 scales and sign vectors: each gets values of its own kind."""
+    import mlx.core as mx
+    import numpy as np
+
+    from sidecar.models.builtin import _init
+
+    if not like.shape:  # 0-d parameters (learned activation constants)
+        return mx.array(np.float32(0.5))
+    if name.endswith(".signs"):  # Hadamard sign vectors: +-1
+        return mx.array(np.sign(_init(name, like.shape, config, seed) + 1e-9).astype(np.float32)).astype(like.dtype)
+    if mx.issubdtype(like.dtype, mx.integer):  # packed weight words: uniform bits
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        return mx.array(rng.integers(0, 2**32, like.shape, dtype=np.uint64).astype(np.uint32)).astype(like.dtype)
+    out = _init(name, like.shape, config, seed)
+    if name.endswith((".scales", ".biases")):  # dequantized weights of O(1 / sqrt(fan-in)) magnitude
+        out = out * np.float32(0.05)
+    return mx.array(out) if like.dtype == mx.float32 else mx.array(out).astype(like.dtype)
 
 
 def write(family: str, dest: Path, seed: int = 0) -> Path:
@@ -253,10 +297,13 @@ def write(family: str, dest: Path, seed: int = 0) -> Path:
 
     if (dest / "config.json").is_file():
         return dest
-    model, config = build(family, seed)
+    try:
+        model, config = build(family, seed)
+        weights = dict(tree_flatten(model.parameters()))
+    except SystemExit:  # its module exits on import (olmo without ai2-olmo): the config, a stub tensor
+        config, weights = tiny_config(family), {"stub": mx.zeros((1,))}
     dest.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=1))  # written last: marks it complete
     return dest
 

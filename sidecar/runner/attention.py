@@ -68,6 +68,8 @@ def write(pool: mx.array, slots: mx.array, new: mx.array, start: int | None = No
     one run (`start`: the first) is a slice update, one op, as mlx-lm's cache update (an indexed
     scatter builds a dozen small index ops around it, per layer and K/V)."""
     B, H, L, D = new.shape
+    if D == 0:  # a keys-only cache's values (minimax_m3's indexer): nothing to store, and MLX
+        return pool  # traps (SIGFPE) scattering or gathering zero-width rows
     if new.dtype != pool.dtype:
         new = new.astype(pool.dtype)
     if start is not None:
@@ -79,6 +81,8 @@ def write(pool: mx.array, slots: mx.array, new: mx.array, start: int | None = No
 
 def read(pool: mx.array, plan: ReadPlan, dtype: mx.Dtype) -> mx.array:
     """The batch's keys or values, [B, H, K, D] contiguous per head (a view of the pool when in place)."""
+    if pool.shape[-1] == 0:  # zero-width values (see write)
+        return mx.zeros((1 if plan.slots is None else plan.slots.shape[0], pool.shape[1], plan.length, 0), dtype)
     if plan.start is not None:
         out = pool[:, :, plan.start : plan.start + plan.length]
     else:

@@ -162,6 +162,10 @@ def _has_grouped_scores(model: Any) -> bool:
 # MLX on the CPU backend, in mlx-lm's own forward of a few tokens).
 _REFUSED = {"plamo3": "sliding layers mask a window one wider than their rotating cache holds",
             "phi3small": "its block-sparse attention crashes MLX (segfault) on short sequences"}
+# Families that place queries by how many keys the cache returned (minimax_m3's block indexer:
+# `qpos = arange(S - L, S)`), which a padded batch's read length moves: one row at a time. The
+# load probe's short prompts select every block, so it cannot see this.
+_KEY_COUNT_POSITIONS = {"minimax_m3_vl"}
 
 
 def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCaches:
@@ -244,7 +248,7 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
         kv_quant.probe(model, bits)
     return ModelCaches(
         specs, structure, [c for _, _, c in leaves], state_entries,
-        scalar_offsets=any(isinstance(c, ChunkedKVCache) for _, _, c in leaves),
+        scalar_offsets=family in _KEY_COUNT_POSITIONS or any(isinstance(c, ChunkedKVCache) for _, _, c in leaves),
         mask_5d=_has_grouped_scores(model),
     )
 
