@@ -101,7 +101,7 @@ def probe_batched(runner: Any) -> None:
                     runner._forward([rows[i] for i in b], b, last, {}, stores=stores)
                 for store in stores:
                     store()
-                out += [np.array(x[0]) for x in last]
+                out += [np.array(x[0].astype(mx.float32)) for x in last]
             return out
         finally:
             runner.pool, runner.requests = pool, saved

@@ -30,7 +30,7 @@ from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.outputs import StepStats, build_output
-from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow
+from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
 from sidecar.runner.spec_decode import SpecCounters, Verified, verify
 
 
@@ -301,7 +301,7 @@ class ModelRunner:
                 self.proposer is not None and self.proposer.may_draft(rows)):
             # Sample lazily and queue the next step's forward behind it before waiting.
             lazy = True
-            tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
+            tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
             if self.dispatch_after_reply:
                 # The forward this step uses was dispatched after the last reply and is still
                 # computing its last ops (the LM head): build the next one's graph meanwhile, not
@@ -315,7 +315,7 @@ class ModelRunner:
                 started = lookahead.start(self, rows, tokens)
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
         elif grammar is None and all(lookahead.plain_greedy(r) for r in rows):  # argmax is the whole sampler
-            tokens, nans = mx.argmax(logits, axis=-1).astype(mx.int32), mx.isnan(logits).sum(axis=-1)
+            tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
             mx.eval(tokens, nans, self.pool.arrays())
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
         else:
@@ -385,7 +385,8 @@ class ModelRunner:
             if self._selection is not None:
                 self._selection.index = None
             self.lora.rows.groups = []
-        logits = logits.astype(mx.float32)
+        # Kept in the model's dtype: greedy ranks them as mlx-lm does (sampler.greedy_tokens); the
+        # sampler and logprobs work in float32 from them.
         for b, w in enumerate(where):
             last[w] = logits[last_at[b] : last_at[b] + 1 + rows[b].num_draft]
         for b, first, count, targets in spans:

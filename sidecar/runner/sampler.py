@@ -137,6 +137,13 @@ def _gather_logprobs(lp: mx.array, ids: mx.array, k: int) -> tuple[mx.array, mx.
     return mx.concatenate([ids[:, None], top.astype(ids.dtype)], 1), mx.concatenate([tok_lp, top_lp], 1), ranks
 
 
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """mlx-lm's greedy pick: the argmax of its logprobs, `logits - logsumexp(logits)` in the logits'
+    own dtype. In bf16/fp16 that subtraction rounds logits a few ulps apart to one logprob (the
+    first then wins), so the argmax of the logits themselves picks another token in near-ties."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
+
+
 def _width(k: int, V: int) -> int:
     return V if k == -1 else min(k, V)
 
@@ -198,7 +205,7 @@ class Sampler:
         asks = [_width(p.logprobs, V) for p in ps if p.logprobs is not None]
         raw = x - mx.logsumexp(x, axis=-1, keepdims=True) if asks else None
         x = self.process_logits(x, rows)
-        tok = mx.argmax(x, axis=-1).astype(mx.int32)
+        tok = greedy_tokens(x.astype(logits.dtype))  # unprocessed rows: the logits as they were
         if not all(p.greedy for p in ps):
             drawn = self._draw(x, rows)
             tok = mx.where(mx.array([p.greedy for p in ps]), tok, drawn.astype(mx.int32))

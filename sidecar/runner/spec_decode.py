@@ -27,7 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from sidecar.errors import ProtocolError
-from sidecar.runner.sampler import _M32, _gather_logprobs, _gumbel_argmax, _splitmix64, _width, SamplingRow, truncate
+from sidecar.runner.sampler import (_M32, _gather_logprobs, _gumbel_argmax, _splitmix64, _width, SamplingRow,
+                                    greedy_tokens, truncate)
 
 if TYPE_CHECKING:
     from sidecar.runner.requests import Row
@@ -112,7 +113,7 @@ def verify(sampler: Sampler, logits: mx.array, rows: Sequence[Row],
     asks = [_width(p.logprobs, V) for p in ps if p.logprobs is not None]
     raw = x - mx.logsumexp(x, axis=-1, keepdims=True) if asks else None
     x = sampler.process_logits(x, srows)
-    out["argmax"] = mx.argmax(x, axis=-1).astype(mx.int32)
+    out["argmax"] = greedy_tokens(x.astype(logits.dtype))
     rand = np.array([not p.greedy for p in ps])
     keys: list[int] = []
     if rand.any():

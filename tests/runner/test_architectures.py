@@ -23,9 +23,11 @@ def tiny_dir(home: str, family: str) -> Path:
     return families.write(family, Path(home) / "arch" / family)
 
 
-def served(home: str, family: str, num_blocks: int = 96, **overrides: object) -> MLXWorker:
+def served(home: str, family: str | Path, num_blocks: int = 96, **overrides: object) -> MLXWorker:
+    """A loaded worker of the family's tiny model (or of the model directory `family`)."""
+    model = family if isinstance(family, Path) else tiny_dir(home, family)
     cfg = dict(block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128)
-    w = MLXWorker(Config(model=str(tiny_dir(home, family)), home=home, **{**cfg, **overrides}))  # type: ignore[arg-type]
+    w = MLXWorker(Config(model=str(model), home=home, **{**cfg, **overrides}))  # type: ignore[arg-type]
     w.init_device()
     w.load_model()
     w.determine_available_memory()  # the profile run: every layer kind at the batch limits
@@ -36,6 +38,16 @@ def served(home: str, family: str, num_blocks: int = 96, **overrides: object) ->
 def prompts(family: str, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(sum(map(ord, family)))
     return [rng.integers(3, vocab, n).tolist() for n in (11, 19, 6)]
+
+
+def serve_dir(home: str, model: Path, ps: list[list[int]]) -> dict[str, list[int]]:
+    """Each prompt's NEW greedy tokens, served together: chunks shorter than the prompts, all
+    three rows in every step."""
+    w = served(home, model)
+    d = Driver(w.execute_model, BLOCK, 96)
+    for i, p in enumerate(ps):
+        d.add(f"r{i}", p)
+    return d.run(NEW, chunk=7)
 
 
 # Built tiny, but refused at load_model with a 400 naming why (never a 500, never inexact).
@@ -59,12 +71,8 @@ def test_unservable_families_are_refused_at_load(home: str, family: str) -> None
 
 @pytest.mark.parametrize("family", sorted(set(families.FAMILIES) - set(REFUSED)))
 def test_greedy_tokens_equal_mlx_lm(home: str, oracle_model, family: str) -> None:
-    w = served(home, family)
-    ps = prompts(family, w.vocab_size())
-    d = Driver(w.execute_model, BLOCK, 96)
-    for i, p in enumerate(ps):
-        d.add(f"r{i}", p)
-    got = d.run(NEW, chunk=7)  # chunks shorter than the prompts, all three rows in every step
+    ps = prompts(family, 256)
+    got = serve_dir(home, tiny_dir(home, family), ps)
     oracle = oracle_model(str(tiny_dir(home, family)))
     want = {f"r{i}": mlx_lm_greedy(oracle, p, NEW)[0] for i, p in enumerate(ps)}
     assert got == want
