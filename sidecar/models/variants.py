@@ -19,6 +19,7 @@ VARIANTS: dict[str, tuple[str | None, int | None, int | None, str | None]] = {
     "q4g32": (None, 4, 32, None),
     "q8g64": (None, 8, 64, None),
     "mixed_3_6": (None, None, 32, "mixed_3_6"),
+    "bf16_q4g64": ("bfloat16", 4, 64, None),  # what most published mlx-lm 4-bit checkpoints are
 }
 
 
@@ -40,7 +41,7 @@ def write_variant(src: Path, dest: Path, variant: str) -> Path:
             lambda k, v: v.astype(target) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
             model.parameters()))
         config = {**config, "torch_dtype": dtype}
-    else:
+    if bits or recipe:
         predicate = mixed_quant_predicate_builder(recipe, model, group) if recipe else None
         with contextlib.redirect_stdout(io.StringIO()):  # it prints the bits per weight
             model, config = quantize_model(model, config, group, bits or 4, quant_predicate=predicate)

@@ -168,6 +168,14 @@ _REFUSED = {"plamo3": "sliding layers mask a window one wider than their rotatin
 _KEY_COUNT_POSITIONS = {"minimax_m3_vl"}
 
 
+# Why mlx-lm's own forward fails on this backend, for the probe's 400.
+_PROBE_HINTS = {
+    "GatherMM": "MLX's CPU backend runs unquantized mixture-of-experts matmuls in float32 only: "
+                "serve a float32 checkpoint, or one whose experts are quantized",
+    "No Metal back-end": "mlx-lm's forward calls a Metal-only kernel: it runs on Apple silicon only",
+}
+
+
 def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCaches:
     """Probe the model's own caches; raises UnsupportedModel naming the layer and its cache kind."""
     family = type(model).__module__.rsplit(".", 1)[-1]
@@ -196,7 +204,9 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
             shapes_seen.append([[None if a is None else a.shape for a in c.cache] if isinstance(c, ArraysCache) else None
                                 for _, _, c in leaves])
     except Exception as e:  # a model mlx-lm itself cannot run: refuse rather than fail later
-        raise UnsupportedModel(f"the model's own probe forward failed: {type(e).__name__}: {e}", field="model") from None
+        hint = next((f" ({h})" for k, h in _PROBE_HINTS.items() if k in str(e)), "")
+        raise UnsupportedModel(f"the model's own probe forward failed: {type(e).__name__}: {e}{hint}",
+                               field="model") from None
 
     from sidecar.runner import kv_quant
 

@@ -20,6 +20,7 @@ import numpy as np
 from sidecar.errors import ProtocolError, StateError
 from sidecar.protocol import ModelRunnerOutput, SchedulerOutput
 from sidecar.runner import ahead as lookahead
+from sidecar.runner import prefill_split
 from sidecar.runner.ahead import _Ahead
 from sidecar.runner.fused_ops import fuse_decode_ops
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
@@ -270,6 +271,9 @@ class ModelRunner:
         decode = lookahead.take(self, ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
+        if prefill_split.applies(self.caches):  # mlx-lm's: a sampling chunk's head, then its last token
+            rows, tails = prefill_split.forward_heads(self, rows)
+            decode, prefill = decode + tails, [i for i in prefill if i not in set(tails)]
         if self.caches.has_state or self.caches.scalar_offsets:
             batches = exact_batches(rows, decode + prefill, self.caches)
         else:

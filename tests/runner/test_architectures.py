@@ -40,14 +40,14 @@ def prompts(family: str, vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in (11, 19, 6)]
 
 
-def serve_dir(home: str, model: Path, ps: list[list[int]]) -> dict[str, list[int]]:
-    """Each prompt's NEW greedy tokens, served together: chunks shorter than the prompts, all
-    three rows in every step."""
+def serve_dir(home: str, model: Path, ps: list[list[int]], chunk: int = 7) -> dict[str, list[int]]:
+    """Each prompt's NEW greedy tokens, served together: by default in chunks shorter than the
+    prompts, all three rows in every step."""
     w = served(home, model)
     d = Driver(w.execute_model, BLOCK, 96)
     for i, p in enumerate(ps):
         d.add(f"r{i}", p)
-    return d.run(NEW, chunk=7)
+    return d.run(NEW, chunk=chunk)
 
 
 # Built tiny, but refused at load_model with a 400 naming why (never a 500, never inexact).

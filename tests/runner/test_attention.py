@@ -111,3 +111,16 @@ def test_stream_matches_mlx_lm_on_both_paths(make_worker, oracle_model, layout: 
         assert d.run(20)["b"] != want
     finally:
         LayoutBuilder.build = build  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("start", [3, None])
+def test_zero_width_values_are_neither_written_nor_gathered(start):
+    """A keys-only cache (minimax_m3's block indexer) stores values of width 0: nothing to write,
+    and the read is an empty [B, H, K, 0] (MLX traps on a zero-width scatter or gather)."""
+    pool = mx.zeros((1, 1, 8, 0))
+    slots = mx.array([3, 4], dtype=mx.int32)
+    assert attention.write(pool, slots, mx.zeros((1, 1, 2, 0)), start) is pool
+    p = attention.ReadPlan(5, 0, None) if start is not None else attention.ReadPlan(5, None, mx.zeros((2, 5), mx.int32))
+    out = attention.read(pool, p, mx.float32)
+    mx.eval(out)
+    assert out.shape == ((1 if start is not None else 2), 1, 5, 0)

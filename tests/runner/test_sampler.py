@@ -410,3 +410,18 @@ def test_from_wire_rejects(d, field):
     with pytest.raises(ProtocolError) as e:
         SamplingParams.from_wire([1], vocab_size=100, max_logprobs=20, path=PATH)
     assert e.value.field == PATH
+
+
+def test_greedy_ranks_half_precision_logits_as_mlx_lm_does():
+    """bf16 logits one ulp apart that round to one logprob: mlx-lm's greedy (argmax of logits -
+    logsumexp, in bf16) takes the first, the argmax of the logits the larger."""
+    base = np.linspace(-0.5, 0.25, 4096, dtype=np.float32)  # logsumexp ~8: logprobs' ulp 1/32
+    base[10], base[40] = 0.5, 0.50390625  # adjacent bf16 values at 0.5 (ulp 1/256)
+    x = mx.array(base[None]).astype(mx.bfloat16)
+    mlx_lm = int(mx.argmax(x - mx.logsumexp(x, keepdims=True), axis=-1).item())
+    assert int(mx.argmax(x, axis=-1).item()) == 40 and mlx_lm == 10  # a real near-tie (the control)
+    assert S.greedy_tokens(x).tolist() == [10]
+    res = Sampler(4096, []).sample(x, [SamplingRow(SamplingParams(temperature=0.0, logprobs=1), [1], [])])
+    assert res.token_ids == [10]  # the full sampler's greedy too
+    f32 = mx.array(base[None])
+    assert S.greedy_tokens(f32).tolist() == [40]  # float32 keeps them apart
