@@ -41,19 +41,24 @@ def one(family: str, variants: list[str], home: str) -> None:
             ps = prompts(family, 256)
             try:
                 oracle = load_model(d)[0]
-                want = {f"r{i}": mlx_lm_greedy(oracle, p, NEW)[0] for i, p in enumerate(ps)}
+                full = {f"r{i}": mlx_lm_greedy(oracle, p, NEW) for i, p in enumerate(ps)}
+                want = {r: t for r, (t, _) in full.items()}
             except Exception as e:  # noqa: BLE001 (mlx-lm cannot run it here: the sidecar must refuse)
                 res["oracle"] = f"{type(e).__name__}: {e}"[:200]
                 want = None
             try:
-                got = serve_dir(home, d, ps)
+                lps: dict = {}
+                got = serve_dir(home, d, ps, logprobs=lps)
             except ProtocolError as e:
                 res.update(result="REFUSED" if want is None else "REFUSED_SERVABLE", why=f"{e.status} {e.field}: {e}"[:300])
                 continue
             if want is None:
                 res.update(result="SERVED_WITHOUT_ORACLE")
             elif got == want:
-                res.update(result="EQUAL")
+                err = max(abs(a - b) for r, (_, lp) in full.items() for a, b in zip(lps[r], lp))
+                # float32 activations (no dtype cast): logprobs within 1e-4 of mlx-lm's
+                bad = V.VARIANTS[v][0] is None and err > 1e-4
+                res.update(result="LOGPROBS" if bad else "EQUAL", max_logprob_err=round(err, 7))
             else:
                 # mlx-lm's own tokens with its prompt in the sidecar run's chunks: if they differ
                 # too, no server that chunks can match it; then whole prompts must

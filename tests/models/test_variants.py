@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -56,9 +57,13 @@ def test_converted_checkpoint_serves_mlx_lm_greedy(home: str, oracle_model, fami
     floats = {v.dtype for _, v in tree_flatten(w.model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
     assert (mx.bfloat16 in floats) == (dtype == "bfloat16")
     ps = prompts(family, 256)
-    got = serve_dir(home, d, ps, chunk=chunk)
+    lps: dict[str, list[float]] = {}
+    got = serve_dir(home, d, ps, chunk=chunk, logprobs=lps)
     oracle = oracle_model(str(d))
-    assert got == {f"r{i}": mlx_lm_greedy(oracle, p, NEW)[0] for i, p in enumerate(ps)}
+    want = {f"r{i}": mlx_lm_greedy(oracle, p, NEW) for i, p in enumerate(ps)}
+    assert got == {r: t for r, (t, _) in want.items()}
+    if dtype is None:  # float32 activations: logprobs within 1e-4 of mlx-lm's
+        assert all(np.allclose(lps[r], lp, atol=1e-4, rtol=0) for r, (_, lp) in want.items())
 
 
 def test_mixed_recipe_writes_per_module_overrides(home: str) -> None:

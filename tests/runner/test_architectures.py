@@ -40,14 +40,19 @@ def prompts(family: str, vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in (11, 19, 6)]
 
 
-def serve_dir(home: str, model: Path, ps: list[list[int]], chunk: int = 7) -> dict[str, list[int]]:
+def serve_dir(home: str, model: Path, ps: list[list[int]], chunk: int = 7,
+              logprobs: dict[str, list[float]] | None = None) -> dict[str, list[int]]:
     """Each prompt's NEW greedy tokens, served together: by default in chunks shorter than the
-    prompts, all three rows in every step."""
+    prompts, all three rows in every step. `logprobs`, if given, gets the sampled tokens' logprobs."""
     w = served(home, model)
     d = Driver(w.execute_model, BLOCK, 96)
+    sampling = {"temperature": 0.0, "logprobs": 0} if logprobs is not None else None
     for i, p in enumerate(ps):
-        d.add(f"r{i}", p)
-    return d.run(NEW, chunk=chunk)
+        d.add(f"r{i}", p, sampling)
+    out = d.run(NEW, chunk=chunk)
+    if logprobs is not None:
+        logprobs.update({rid: r.logprobs[:NEW] for rid, r in d.reqs.items()})
+    return out
 
 
 # Built tiny, but refused at load_model with a 400 naming why (never a 500, never inexact).
