@@ -140,7 +140,11 @@ def _gather_logprobs(lp: mx.array, ids: mx.array, k: int) -> tuple[mx.array, mx.
 def greedy_tokens(logits: mx.array) -> mx.array:
     """mlx-lm's greedy pick: the argmax of its logprobs, `logits - logsumexp(logits)` in the logits'
     own dtype. In bf16/fp16 that subtraction rounds logits a few ulps apart to one logprob (the
-    first then wins), so the argmax of the logits themselves picks another token in near-ties."""
+    first then wins), so the argmax of the logits themselves picks another token in near-ties.
+    float32 logits take the plain argmax: there the subtraction merges only logits ~1e-7 apart,
+    and the logsumexp costs ~10 ns per vocabulary entry on the CPU (1.5 ms at 150k)."""
+    if logits.dtype == mx.float32:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
 
 
