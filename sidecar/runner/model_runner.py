@@ -101,6 +101,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
+        self.step_seconds = 0.0  # the last finished step's own time (ahead.before_reply)
         fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
         self._selection = _select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
@@ -154,13 +155,17 @@ class ModelRunner:
                 self._ahead = None  # the next step computes its rows itself
                 raise
 
-    def _dispatch_unless_hooked(self) -> None:
-        """Without an after_reply caller, the queued forward is dispatched as the step returns: once
-        its tokens are known, so no task of the step still holds a pool buffer and MLX can donate
-        it to the next write (dispatched any earlier, the write copies each layer's whole pool)."""
-        if not self.dispatch_after_reply and self._dispatch:
+    def _dispatch_unless_hooked(self, early: bool = False) -> None:
+        """Without an after_reply caller, or `early` (ahead.before_reply), the queued forward is
+        dispatched as the step returns: once its tokens are known, so no task of the step still
+        holds a pool buffer and MLX can donate it to the next write (dispatched any earlier, the
+        write copies each layer's whole pool)."""
+        if self._dispatch and (early or not self.dispatch_after_reply):
             todo, self._dispatch = self._dispatch, None
-            mx.async_eval(todo)
+            try:
+                mx.async_eval(todo)
+            except Exception:  # noqa: BLE001 - the step's output stands; the next computes its rows
+                self._ahead = None
 
     # --- pool -------------------------------------------------------------------------------
 
@@ -234,8 +239,8 @@ class ModelRunner:
         except BaseException:
             restore()
             raise
-        self._dispatch_unless_hooked()
-        self.last_stats.seconds = time.perf_counter() - t0
+        self.last_stats.seconds = self.step_seconds = time.perf_counter() - t0
+        self._dispatch_unless_hooked(lookahead.before_reply(self))
         return result
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
@@ -254,8 +259,8 @@ class ModelRunner:
         except BaseException:
             p.restore()
             raise
-        self._dispatch_unless_hooked()
-        self.last_stats.seconds = time.perf_counter() - p.started
+        self.last_stats.seconds = self.step_seconds = time.perf_counter() - p.started
+        self._dispatch_unless_hooked(lookahead.before_reply(self))
         return result
 
     def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
