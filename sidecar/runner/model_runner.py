@@ -31,32 +31,8 @@ from sidecar.runner.kv_spec import STATE, ModelCaches
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.outputs import StepStats, build_output
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow
+from sidecar.runner.selection import select_before_norm
 from sidecar.runner.spec_decode import SpecCounters, Verified, verify
-
-
-class _Selection:
-    index: mx.array | None = None
-
-
-def _select_before_norm(model: nn.Module) -> _Selection | None:
-    """Make the final norm keep only the selected flat positions (LM head cost ~ rows, not tokens).
-
-    Swaps the norm instance's class for a subclass, so parameter names stay unchanged. Models
-    without a `model.norm` fall back to slicing full logits.
-    """
-    norm = getattr(getattr(model, "model", None), "norm", None)
-    if not isinstance(norm, nn.Module):
-        return None
-    sel = _Selection()
-    base = type(norm)
-
-    def __call__(self: nn.Module, h: mx.array) -> mx.array:
-        if sel.index is not None:
-            h = h.reshape(-1, h.shape[-1])[sel.index][None]
-        return base.__call__(self, h)
-
-    norm.__class__ = type(f"Selecting{base.__name__}", (base,), {"__call__": __call__})
-    return sel
 
 
 def _padding_bounded_groups(rows: list[int], lengths: list[int], slack: float = 1.25) -> list[list[int]]:
@@ -103,7 +79,7 @@ class ModelRunner:
         self.last_stats = StepStats()
         self.step_seconds = 0.0  # the last finished step's own time (ahead.before_reply)
         fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
-        self._selection = _select_before_norm(model)
+        self._selection = select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
@@ -129,7 +105,7 @@ class ModelRunner:
     def set_model(self, model: nn.Module) -> None:
         self.model = model
         fuse_decode_ops(model)
-        self._selection = _select_before_norm(model)
+        self._selection = select_before_norm(model)
         self.lora.attach(model)
 
     def drop_model(self) -> None:
@@ -313,8 +289,10 @@ class ModelRunner:
                 # after queueing the tokens (async_eval would first wait for that tail). The pool's
                 # arrays are not passed: building rebinds them to the next forward's writes; the
                 # tokens depend on this step's writes, so those are computed with them.
+                hidden = self._selection.hidden if self._selection is not None else None
                 started = lookahead.start(self, rows, tokens)
                 mx.async_eval(tokens, nans)
+                lookahead.dispatch_early(self, hidden)
             else:
                 mx.async_eval(tokens, nans, self.pool.arrays())
                 started = lookahead.start(self, rows, tokens)
