@@ -11,6 +11,17 @@ so the reply leaves as soon as the step's own tokens are known and the next forw
 while it travels. Without that caller it is dispatched as the step returns, never before the
 step's tokens: a task of the step still holding a pool buffer would keep MLX from donating it to
 the forward's K/V write, which would then copy the layer's whole pool.
+
+On the CPU backend, after a step long enough that the round trip is a small share of it (a model
+of real size; `before_reply`), the forward is dispatched before the reply even with the hook, as
+mlx-lm's generate loop queues the next token's forward before reading the current one: while the
+step's LM head computes (`dispatch_early`: once the input of its final norm is computed, every
+read of the pool by the step is too), else as the step returns. async_eval holds the caller until
+the forward is nearly queued, so the reply leaves about half a step later, but the device no
+longer idles while the reply is written and travels and the scheduler plans, nor while MLX
+builds the next forward's tape. Shorter steps (a tiny model) keep the dispatch after the reply,
+where it overlaps the round trip. On Metal async_eval returns at once, and the after-reply
+dispatch leaves little to hide.
 """
 
 from __future__ import annotations
@@ -78,6 +89,26 @@ def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str]
     todo = [logits, *runner.pool.arrays(), *(crossing.kv if crossing else [])]  # type: ignore[union-attr]
     runner._dispatch = todo  # dispatched once the step's tokens are known (ModelRunner.after_reply)
     return idx, logits, crossing
+
+
+# After a step at least this long (its own time), the ahead forward is dispatched before the reply.
+EARLY_MIN_SECONDS = 0.002
+
+
+def before_reply(runner: ModelRunner) -> bool:
+    """Whether the forward queued ahead is dispatched as the step returns, before its reply,
+    though the server's after-reply hook runs: on the CPU backend, after a long step."""
+    return runner.step_seconds >= EARLY_MIN_SECONDS and mx.default_device() == mx.cpu
+
+
+def dispatch_early(runner: ModelRunner, hidden: mx.array | None) -> None:
+    """After a long step, dispatch the forward `start` built while the step's LM head computes.
+    `hidden`: the input of the final norm of the step's last forward (selection.py); once it is
+    computed, so is every op before it on the stream, each read of the pool included, and MLX can
+    donate every pool buffer to the next forward's writes."""
+    if hidden is not None and runner._dispatch and before_reply(runner):
+        mx.eval(hidden)
+        runner._dispatch_unless_hooked(True)
 
 
 def record(rows: list[Row], started: tuple[list[int], mx.array, boundary.Crossing | None], token_ids: list[int], block_size: int,

@@ -96,7 +96,8 @@ def land(pool: KVPool, row: Row, crossing: Crossing) -> bool:
     dst = row.block_ids[n] * pool.block_size
     mx.eval(crossing.kv)  # (computed by now, normally): no pool array then has a reader left
     kv = iter(crossing.kv)
-    for leaf in pool.keys + pool.values:
-        for a in _parts(leaf):
-            a[:, :, dst : dst + 1] = next(kv)
+    landed = [a for leaf in pool.keys + pool.values for a in _parts(leaf)]
+    for a in landed:
+        a[:, :, dst : dst + 1] = next(kv)
+    mx.eval(landed)  # (no landing left queued when a forward dispatched before the reply writes)
     return True

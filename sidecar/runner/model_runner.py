@@ -32,32 +32,8 @@ from sidecar.runner.kv_spec import STATE, ModelCaches
 from sidecar.runner.requests import RequestState, Row, apply, plan_step
 from sidecar.runner.outputs import StepStats, build_output
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
+from sidecar.runner.selection import select_before_norm
 from sidecar.runner.spec_decode import SpecCounters, Verified, verify
-
-
-class _Selection:
-    index: mx.array | None = None
-
-
-def _select_before_norm(model: nn.Module) -> _Selection | None:
-    """Make the final norm keep only the selected flat positions (LM head cost ~ rows, not tokens).
-
-    Swaps the norm instance's class for a subclass, so parameter names stay unchanged. Models
-    without a `model.norm` fall back to slicing full logits.
-    """
-    norm = getattr(getattr(model, "model", None), "norm", None)
-    if not isinstance(norm, nn.Module):
-        return None
-    sel = _Selection()
-    base = type(norm)
-
-    def __call__(self: nn.Module, h: mx.array) -> mx.array:
-        if sel.index is not None:
-            h = h.reshape(-1, h.shape[-1])[sel.index][None]
-        return base.__call__(self, h)
-
-    norm.__class__ = type(f"Selecting{base.__name__}", (base,), {"__call__": __call__})
-    return sel
 
 
 def _padding_bounded_groups(rows: list[int], lengths: list[int], slack: float = 1.25) -> list[list[int]]:
@@ -102,8 +78,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
+        self.step_seconds = 0.0  # the last finished step's own time (ahead.before_reply)
         fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
-        self._selection = _select_before_norm(model)
+        self._selection = select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
@@ -129,7 +106,7 @@ class ModelRunner:
     def set_model(self, model: nn.Module) -> None:
         self.model = model
         fuse_decode_ops(model)
-        self._selection = _select_before_norm(model)
+        self._selection = select_before_norm(model)
         self.lora.attach(model)
 
     def drop_model(self) -> None:
@@ -155,13 +132,17 @@ class ModelRunner:
                 self._ahead = None  # the next step computes its rows itself
                 raise
 
-    def _dispatch_unless_hooked(self) -> None:
-        """Without an after_reply caller, the queued forward is dispatched as the step returns: once
-        its tokens are known, so no task of the step still holds a pool buffer and MLX can donate
-        it to the next write (dispatched any earlier, the write copies each layer's whole pool)."""
-        if not self.dispatch_after_reply and self._dispatch:
+    def _dispatch_unless_hooked(self, early: bool = False) -> None:
+        """Without an after_reply caller, or `early` (ahead.before_reply), the queued forward is
+        dispatched as the step returns: once its tokens are known, so no task of the step still
+        holds a pool buffer and MLX can donate it to the next write (dispatched any earlier, the
+        write copies each layer's whole pool)."""
+        if self._dispatch and (early or not self.dispatch_after_reply):
             todo, self._dispatch = self._dispatch, None
-            mx.async_eval(todo)
+            try:
+                mx.async_eval(todo)
+            except Exception:  # noqa: BLE001 - the step's output stands; the next computes its rows
+                self._ahead = None
 
     # --- pool -------------------------------------------------------------------------------
 
@@ -235,8 +216,8 @@ class ModelRunner:
         except BaseException:
             restore()
             raise
-        self._dispatch_unless_hooked()
-        self.last_stats.seconds = time.perf_counter() - t0
+        self.last_stats.seconds = self.step_seconds = time.perf_counter() - t0
+        self._dispatch_unless_hooked(lookahead.before_reply(self))
         return result
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
@@ -255,8 +236,8 @@ class ModelRunner:
         except BaseException:
             p.restore()
             raise
-        self._dispatch_unless_hooked()
-        self.last_stats.seconds = time.perf_counter() - p.started
+        self.last_stats.seconds = self.step_seconds = time.perf_counter() - p.started
+        self._dispatch_unless_hooked(lookahead.before_reply(self))
         return result
 
     def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
@@ -312,8 +293,10 @@ class ModelRunner:
                 # after queueing the tokens (async_eval would first wait for that tail). The pool's
                 # arrays are not passed: building rebinds them to the next forward's writes; the
                 # tokens depend on this step's writes, so those are computed with them.
+                hidden = self._selection.hidden if self._selection is not None else None
                 started = lookahead.start(self, rows, tokens)
                 mx.async_eval(tokens, nans)
+                lookahead.dispatch_early(self, hidden)
             else:
                 mx.async_eval(tokens, nans, self.pool.arrays())
                 started = lookahead.start(self, rows, tokens)

@@ -4,7 +4,8 @@ uvicorn writes a reply's head and its body with two `transport.write` calls, and
 each at once: two syscalls, two TCP segments, and a client woken for the head that must wait for
 the body. On a loopback decode step that is a measurable share of the round trip. Here every
 write made while handling the loop's current callbacks is gathered and sent as one at the end of
-them (`loop.call_soon`); a close or an abort flushes first, so nothing is lost or reordered.
+them (`loop.call_soon`), or as soon as the reply is complete; a close or an abort flushes first,
+so nothing is lost or reordered.
 """
 
 from __future__ import annotations
@@ -59,3 +60,9 @@ class GatheringTransport:
 class GatheringHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(GatheringTransport(transport, self.loop))  # type: ignore[arg-type]
+
+    def on_response_complete(self) -> None:
+        # The reply is whole: send it now, not after the rest of the loop's current callbacks (the
+        # request task's end, the keep-alive timer) have run.
+        self.transport.flush()  # type: ignore[attr-defined]
+        super().on_response_complete()

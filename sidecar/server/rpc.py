@@ -101,6 +101,7 @@ class MLXThread:
         self._queue: queue.Queue[_Job | None] = queue.Queue()  # bounded by `call`; the stop sentinel always fits
         self._stopping = False
         self.publishing = False  # a call was answered and its state is not published yet
+        self.marking = False  # ... or its device idle (`device`) not counted yet
         self.busy_since: float | None = None  # monotonic start of the running job, None when idle
         self._running: _Job | None = None
         # The after_reply hook: when it last ran (perf_counter span), and how long of it the running
@@ -167,15 +168,18 @@ class MLXThread:
                 job, time.perf_counter() - started + self.carried)
             if not hold:
                 self._publish()
-            self.device.mark(self.step_kind[1], self.step_kind[0])
-            if job.future is not None and job.loop is not None:
-                self.publishing = hold
+            answered = job.future is not None and job.loop is not None
+            if answered:
+                self.publishing, self.marking = hold, True
                 try:
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     hold = False
-                if hold:
-                    job.gate.wait()  # type: ignore[union-attr]
+            # After the hand-over: the reply need not wait for this reading (~30 us).
+            self.device.mark(self.step_kind[1], self.step_kind[0])
+            self.marking = False
+            if hold:
+                job.gate.wait()  # type: ignore[union-attr]
             if self.publishing:
                 self._publish()
             # (a dropped call still queued is no reason to skip it: depth counts live calls only)
@@ -198,11 +202,11 @@ class MLXThread:
         self.publishing = False
 
     async def published(self, timeout: float = 0.05) -> None:
-        """On the event loop: wait (bounded) until the state of every answered call is published,
-        so a probe read after a reply sees that call's effects."""
-        if self.publishing:
+        """On the event loop: wait (bounded) until the state of every answered call is published
+        (and its device idle counted), so a probe read after a reply sees that call's effects."""
+        if self.publishing or self.marking:
             deadline = time.monotonic() + timeout
-            while self.publishing and time.monotonic() < deadline:
+            while (self.publishing or self.marking) and time.monotonic() < deadline:
                 await asyncio.sleep(0.0002)
 
     def _holds(self, job: _Job, seconds: float) -> bool:

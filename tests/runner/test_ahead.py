@@ -58,3 +58,34 @@ def test_an_undispatched_forward_never_costs_a_pool_copy(make_worker) -> None:
     after = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
     assert before == after
     assert w.runner.ahead_hits >= 3
+
+
+def test_after_a_long_step_the_ahead_forward_is_dispatched_before_the_reply(make_worker, oracle_model,
+                                                                              monkeypatch) -> None:
+    """On the CPU backend, after a step of at least EARLY_MIN_SECONDS (here: any step), the ahead
+    forward is dispatched as the step returns though the after-reply hook runs: mlx-lm's tokens,
+    and the pool still written in place (MLX donated every layer's buffer to the next write)."""
+    import numpy as np
+
+    from sidecar.runner import ahead
+
+    prompt = [5, 9, 13, 2, 7]
+    want, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 20)
+    for threshold in (0.0, float("inf")):  # (inf: the control, every forward left to the hook)
+        monkeypatch.setattr(ahead, "EARLY_MIN_SECONDS", threshold)
+        w = make_worker(num_blocks=32)
+        w.after_reply()
+        d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+        d.add("a", prompt, {"temperature": 0.0, "max_tokens": 30})
+        d.step()
+        w.after_reply()
+        before = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+        early = 0
+        while len(d.reqs["a"].out) < 20:
+            d.step()
+            early += w.runner._dispatch is None and w.runner._ahead is not None  # dispatched already
+            w.after_reply()
+        after = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+        assert d.reqs["a"].out[:20] == want, threshold
+        assert w.runner.ahead_hits > 10 and before == after
+        assert early >= 15 if threshold == 0.0 else early == 0

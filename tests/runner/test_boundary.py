@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sidecar.runner import boundary
+from sidecar.runner import ahead, boundary
 from sidecar.runner.kv_spec import LayerSpec
 from tests.conftest import mlx_lm_greedy
 from tests.driver import Driver
@@ -53,6 +53,29 @@ def test_a_stream_is_ahead_at_every_boundary_with_mlx_lm_tokens(make_worker, ora
     if "logprobs" in sampling:
         assert close(d.reqs["a"].logprobs, want_lp)
     # Every decode step took the ahead forward (the old rule missed the 4 crossing steps).
+    assert (w.runner.ahead_hits, w.runner.ahead_misses) == (steps - 1, 0)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, WITH_LP])
+def test_dispatched_before_the_reply_the_stream_crosses_in_place(make_worker, oracle_model, sampling,
+                                                                 monkeypatch) -> None:
+    """The ahead forward dispatched before each reply (ahead.before_reply, here for every step):
+    mlx-lm's tokens across four boundaries, every step ahead, and the pool written in place
+    throughout (a landing or a read still queued at a dispatch would have made MLX copy it)."""
+    import numpy as np
+
+    monkeypatch.setattr(ahead, "EARLY_MIN_SECONDS", 0.0)
+    want, want_lp = mlx_lm_greedy(oracle_model("builtin:tiny"), PROMPT, 70)
+    w = make_worker(num_blocks=16)
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    add(d, "a", PROMPT, sampling)
+    steps = stream(w, d, "a", 2, True)
+    before = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+    steps += stream(w, d, "a", 70, True)
+    after = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+    assert d.reqs["a"].out == want and before == after
+    if "logprobs" in sampling:
+        assert close(d.reqs["a"].logprobs, want_lp)
     assert (w.runner.ahead_hits, w.runner.ahead_misses) == (steps - 1, 0)
 
 

@@ -127,6 +127,49 @@ def test_the_gathering_transport_sends_one_write_per_loop_turn_and_flushes_befor
     asyncio.run(main())
 
 
+def test_a_complete_reply_is_written_at_once_not_a_loop_turn_later() -> None:
+    """The protocol flushes when the reply is complete: the client has it before the rest of the
+    loop's callbacks (the request task's end, the keep-alive timer) run."""
+    from uvicorn.config import Config as UvicornConfig
+    from uvicorn.server import ServerState
+
+    from sidecar.server.coalesce import GatheringHttpToolsProtocol
+
+    seen: dict[str, list[bytes]] = {}
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        rec = proto.transport._transport  # type: ignore[attr-defined]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        seen["after head"] = list(rec.writes)
+        await send({"type": "http.response.body", "body": b"ok"})
+        seen["after body"] = list(rec.writes)
+
+    class Transport(_Recorder):
+        def pause_reading(self) -> None: ...
+        def resume_reading(self) -> None: ...
+
+        def get_extra_info(self, name: str) -> Any:
+            return None
+
+    async def main() -> None:
+        nonlocal proto
+        config = UvicornConfig(app=app, http=GatheringHttpToolsProtocol, log_config=None, lifespan="off")
+        config.load()
+        proto = GatheringHttpToolsProtocol(config=config, server_state=ServerState(), app_state={})
+        rec = Transport()
+        proto.connection_made(rec)  # type: ignore[arg-type]
+        proto.data_received(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        proto.connection_lost(None)
+
+    proto: Any = None
+    asyncio.run(main())
+    assert seen["after head"] == []  # the head alone is gathered (control: nothing is sent early)
+    assert len(seen["after body"]) == 1 and seen["after body"][0].endswith(b"\r\n\r\nok")
+    assert seen["after body"][0].startswith(b"HTTP/1.1 200 OK\r\n")
+
+
 def _read_reply(sock: socket.socket, buf: bytes) -> tuple[bytes, bytes, int, bytes]:
     """One reply (head, body) from buf + the socket; how many recvs it took, and what follows it."""
     recvs = 0
