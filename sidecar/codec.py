@@ -118,7 +118,8 @@ def _decode(body: bytes, is_json: bool) -> dict:
             )
         else:
             # Strict UTF-8 first: json.loads(bytes) would also take UTF-16/32 and encoded surrogates.
-            value = json.loads(body.decode("utf-8"), object_pairs_hook=_map_hook())
+            wide: list[int] = []
+            value = json.loads(body.decode("utf-8"), object_pairs_hook=_map_hook(), parse_int=_json_int(wide))
     except ProtocolError:
         raise
     except (ValueError, msgpack.UnpackException, RecursionError) as e:
@@ -131,7 +132,38 @@ def _decode(body: bytes, is_json: bool) -> dict:
     _check_tree(value)
     if is_json and _SURROGATE_ESCAPE.search(body):
         _check_strings(value)
+    if is_json and wide:
+        _check_ints(value)
     return value
+
+
+# JSON integers live in msgpack's range, so no handler meets an int msgpack could not carry (a
+# float(10**400) deep in a check would be an OverflowError, a 500).
+INT_MIN, INT_END = -(1 << 63), 1 << 64
+
+
+def _json_int(wide: list[int]) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = int(text)
+        if not INT_MIN <= v < INT_END:
+            wide.append(v)
+        return v
+
+    return parse
+
+
+def _check_ints(root: dict) -> None:
+    """Name the first integer outside [-2**63, 2**64) (only run when the parse saw one)."""
+    stack: list[tuple] = [(root, 0, None, None)]
+    while stack:
+        entry = stack.pop()
+        node = entry[0]
+        for k, v in (node.items() if type(node) is dict else enumerate(node)):
+            if type(v) is int and not INT_MIN <= v < INT_END:
+                raise ProtocolError(f"integer of {len(str(abs(v)))} digits is outside the 64-bit range "
+                                    "[-2**63, 2**64) msgpack carries", field=_path((v, 0, entry, k)) or None)
+            if type(v) is dict or type(v) is list:
+                stack.append((v, 0, entry, k))
 
 
 # The fast path takes small msgpack bodies (a decode step's is a few hundred bytes).

@@ -46,6 +46,11 @@ class Config:
     max_queue: int = 64
     call_timeout: float = 600.0
     shutdown_timeout: float = 30.0
+    # per-connection bounds (server/connguard.py): a connection with no request is closed after
+    # idle_timeout s, a request must arrive whole within read_timeout s, at most max_connections
+    idle_timeout: float = 5.0
+    read_timeout: float = 60.0
+    max_connections: int = 512
     preload: bool = False  # run the lifecycle to `ready` at start-up
     lora_dir: str | None = None
     max_loras: int = 8
@@ -100,6 +105,9 @@ class Config:
             ("max_loras", self.max_loras >= 1, "must be >= 1"),
             ("call_timeout", self.call_timeout > 0, "must be > 0"),
             ("shutdown_timeout", self.shutdown_timeout > 0, "must be > 0"),
+            ("idle_timeout", self.idle_timeout > 0, "must be > 0"),
+            ("read_timeout", self.read_timeout > 0, "must be > 0"),
+            ("max_connections", self.max_connections >= 1, "must be >= 1"),
             ("max_body_bytes", self.max_body_bytes >= 1, "must be >= 1"),
             ("log_level", self.log_level.lower() in LOG_LEVELS, "must be one of " + "|".join(LOG_LEVELS)),
             ("tensor_parallel", self.tensor_parallel >= 1, "must be >= 1"),

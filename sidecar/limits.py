@@ -11,7 +11,8 @@ its size; what has the wrong type is left for the full decode to report. Limits 
 - the worker holds at most --max-live-requests requests (default 1024);
 - finished_req_ids / preempted_req_ids have at most MAX_ID_LIST ids;
 - per request, logit_bias, allowed_token_ids and stop_token_ids have at most vocab_size entries,
-  bad_words_token_ids at most MAX_BAD_WORDS words of at most max_model_len tokens.
+  bad_words_token_ids at most MAX_BAD_WORDS words of at most max_model_len tokens, and at most
+  MAX_BAD_WORD_TOKENS (65536) tokens in all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sidecar.errors import ProtocolError
 MAX_KV_CACHE_GROUPS = 16
 MAX_ID_LIST = 65536
 MAX_BAD_WORDS = 4096
+MAX_BAD_WORD_TOKENS = 65536  # all of one request's bad words together
 # Blocks a table may hold beyond what max_model_len needs: lookahead/speculative slots, and
 # schedulers that allocate a few blocks ahead.
 TABLE_SLACK_BLOCKS = 4
@@ -90,6 +92,11 @@ def _sampling(sp: dict, lim: Limits, path: str) -> None:
         _at_most(words, MAX_BAD_WORDS, key, f"{path}.{key}")
         for i, w in enumerate(_list(words)):
             _at_most(w, lim.max_model_len, "a bad word (max_model_len)", f"{path}.{key}[{i}]")
+        # Every step compares a request's words with its output: their tokens bound that cost.
+        total = sum(map(_len, _list(words)))
+        if total > MAX_BAD_WORD_TOKENS:
+            raise ProtocolError(f"{key} hold {total} tokens in all, the limit is {MAX_BAD_WORD_TOKENS}",
+                                field=f"{path}.{key}")
 
 
 def _decode_within_bounds(so: dict, requests: Mapping[str, Any], lim: Limits) -> bool:

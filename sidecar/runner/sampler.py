@@ -283,8 +283,10 @@ class Sampler:
 def _bad_words(words: Sequence[Sequence[int]], past: Sequence[int]) -> list[int]:
     """vLLM: ban a bad word's last token when the output so far ends with the rest of it."""
     banned = []
+    m = len(past)
     for w in words:
         n = len(w) - 1
-        if n <= len(past) and (n == 0 or list(past[len(past) - n :]) == list(w[:n])):
+        # (the last token first: a word that cannot match costs no slice)
+        if n == 0 or (n <= m and past[m - 1] == w[n - 1] and list(past[m - n :]) == list(w[:n])):
             banned.append(w[-1])
     return banned
