@@ -127,3 +127,11 @@ def test_the_live_request_bound_holds_for_decodes() -> None:
     assert field(decode(), three) == "scheduled_new_reqs"
     assert limits._decode_within_bounds(decode(finished_req_ids=["c"]), three, LIM)  # dropping one brings it back
     assert field(decode(finished_req_ids=["c"]), three) is None
+
+
+def test_bad_words_are_bounded_in_total_tokens() -> None:
+    """Each step compares every bad word with the output: their tokens together are bounded."""
+    at = {"scheduled_new_reqs": [new("a", bad_words_token_ids=[[1] * 64] * 1024)]}  # 65536 tokens: the limit
+    assert field(at) is None
+    over = {"scheduled_new_reqs": [new("a", bad_words_token_ids=[[1] * 64] * 1024 + [[2]])]}
+    assert field(over) == "scheduled_new_reqs[0].sampling_params.bad_words_token_ids"
