@@ -27,8 +27,11 @@ MAX_MAPS = 65536  # maps per body: a step needs a few per request
 INT_KEYED_MAPS = frozenset({"logit_bias"})
 
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
-_KEY_TYPES = frozenset({str, int})
+# Keys `_map` lets through, for `_check_tree` to judge with the map's path (any other hashable
+# key: float, bool, nil, binary). Unhashable ones (an array or map as a key) stop in `_map`.
+_KEY_TYPES = frozenset({str, int, bytes, float, bool, type(None)})
 _STR_KEYS = frozenset({str})
+_KEY_TYPES_INT = frozenset({str, int})
 # A JSON escape of a UTF-16 surrogate: the only way a lone surrogate gets into a decoded string
 # (the body itself must be valid UTF-8, which excludes encoded surrogates).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -39,6 +42,8 @@ def wire_type(value: Any) -> str:
     t = type(value)
     if t is float:
         return f"float {value!r}"
+    if t is _Ext:
+        return f"ext type {value.code}"
     return _WIRE_NAMES.get(t, "ext type" if isinstance(value, msgpack.Timestamp) else t.__name__)
 
 
@@ -87,8 +92,17 @@ def _map(pairs: list[tuple[Any, Any]]) -> dict:
     return d
 
 
+class _Ext:
+    """An ext value, kept in the tree so `_check_tree` can name where it is (then reject it)."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: int):
+        self.code = code
+
+
 def _no_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack ext type {code} is not allowed")
+    return _Ext(code)
 
 
 def decode_body(body: bytes, content_type: str) -> dict:
@@ -249,9 +263,11 @@ def _check_tree(root: dict) -> None:
         if depth > MAX_DEPTH:
             raise ProtocolError(f"nesting deeper than {MAX_DEPTH}", field=_path(entry) or None)
         if type(node) is dict:
-            if int in set(map(type, node)) and entry[3] not in INT_KEYED_MAPS:
-                key = next(k for k in node if type(k) is int)
-                raise ProtocolError(f"map keys must be strings, got integer {key}", field=_path(entry) or None)
+            kinds = set(map(type, node))
+            if not kinds <= _STR_KEYS and not (kinds <= _KEY_TYPES_INT and entry[3] in INT_KEYED_MAPS):
+                key = next(k for k in node if type(k) is not str and (type(k) is not int or entry[3] not in INT_KEYED_MAPS))
+                what = f"integer {key}" if type(key) is int else wire_type(key)
+                raise ProtocolError(f"map keys must be strings, got {what}", field=_path(entry) or None)
             items = node.items()
         else:
             # Lists of scalars (token ids), of scalar lists (block tables per group), ... are
@@ -267,7 +283,7 @@ def _check_tree(root: dict) -> None:
             if tv is dict or tv is list:
                 stack.append((v, depth + 1, entry, k))
             elif tv not in _SCALARS:
-                what = "the timestamp ext (type -1)" if isinstance(v, msgpack.Timestamp) else tv.__name__
+                what = "the timestamp ext (type -1)" if isinstance(v, msgpack.Timestamp) else wire_type(v)
                 raise ProtocolError(f"msgpack ext types are not allowed, got {what}",
                                     field=_path((v, depth + 1, entry, k)) or None)
 
