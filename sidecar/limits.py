@@ -7,6 +7,8 @@ its size; what has the wrong type is left for the full decode to report. Limits 
 - a block table holds at most ceil(max_model_len / block_size) + TABLE_SLACK_BLOCKS (4) blocks,
   per KV cache group; at most MAX_KV_CACHE_GROUPS groups;
 - a prompt or a request's stated tokens are at most max_model_len long;
+- a step computes at most max(--max-num-batched-tokens, max_model_len) tokens
+  (total_num_scheduled_tokens; each per-request count must add up to it);
 - a req_id is at most --max-req-id-len characters (default 256);
 - the worker holds at most --max-live-requests requests (default 1024);
 - finished_req_ids / preempted_req_ids have at most MAX_ID_LIST ids;
@@ -38,10 +40,18 @@ class Limits:
     max_live_requests: int = 1024
     max_req_id_len: int = 256
     vocab_size: int = 1 << 30
+    max_num_batched_tokens: int = 0  # 0: only max_model_len bounds a step's tokens
 
     @classmethod
     def of(cls, config: Any, max_model_len: int, vocab_size: int) -> Limits:
-        return cls(max_model_len, config.block_size, config.max_live_requests, config.max_req_id_len, vocab_size)
+        return cls(max_model_len, config.block_size, config.max_live_requests, config.max_req_id_len, vocab_size,
+                   config.max_num_batched_tokens)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Tokens one step may compute: what vLLM's scheduler can send (its token budget, or one
+        whole prompt when that is longer). Without it, live requests x max_model_len in one forward."""
+        return max(self.max_num_batched_tokens, self.max_model_len)
 
     @property
     def max_table_len(self) -> int:
@@ -150,7 +160,13 @@ def _decode_within_bounds(so: dict, requests: Mapping[str, Any], lim: Limits) ->
 
 def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
     """Raise ProtocolError (with the field) when a scheduler_output breaks a bound."""
-    if type(so) is not dict or _decode_within_bounds(so, requests, lim):
+    if type(so) is not dict:
+        return
+    total = so.get("total_num_scheduled_tokens")
+    if type(total) is int and total > lim.max_step_tokens:
+        raise ProtocolError(f"a step of {total} tokens is over the limit of {lim.max_step_tokens} "
+                            "(max(--max-num-batched-tokens, max_model_len))", field="total_num_scheduled_tokens")
+    if _decode_within_bounds(so, requests, lim):
         return
     new = so.get("scheduled_new_reqs")
     _at_most(new, lim.max_live_requests, "scheduled_new_reqs", "scheduled_new_reqs")
