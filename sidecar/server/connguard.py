@@ -12,7 +12,8 @@ descriptors and nobody else is served. Here, on top of the one-write protocol (c
   it is answered 408 and the connection closed (nothing ran: the handler reads the whole body
   before it queues a call). The handler itself has no deadline here: a step runs to its end;
 - past `max_connections`, a new connection first closes the longest-idle one, then the longest
-  reading one; when every connection has a call running, the new one is answered 503 + Retry-After.
+  reading one; when every connection has a call running, the new one is answered 503 + Retry-After;
+- a request's head is at most MAX_HEAD_BYTES (431 past it).
 """
 
 from __future__ import annotations
@@ -32,11 +33,17 @@ def _reply(status: str, message: str, kind: str, retry_after: int | None = None)
             "connection: close\r\n\r\n").encode() + body
 
 
+# A request's head (request line + headers) at most: uvicorn's httptools parser has no bound, and
+# grows the URL by concatenation (a 200 MB URL held 400 MB, and its copies the event loop).
+MAX_HEAD_BYTES = 64 * 1024
+
+
 class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
     """Set by `guarded_protocol` (a subclass per server): the three bounds."""
 
     read_timeout = 60.0
     max_connections = 512
+    max_head_bytes = MAX_HEAD_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -45,6 +52,7 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
         self._reading = False  # a request's bytes are arriving (from its first byte to its body's last)
         self._head_done = False  # ... and its head is parsed (it is one of the _in_flight)
         self._since = time.monotonic()  # when the current idle or read period began
+        self._head_bytes = 0  # bytes received since the last head was complete
         if len(self.connections) > self.max_connections and not self._make_room():
             transport.write(_reply("503 Service Unavailable", f"the server holds {self.max_connections} connections, "
                                    "each with a call running (--max-connections)", "unavailable", retry_after=1))
@@ -56,6 +64,16 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
         self._cancel()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        counting = not (self._reading and self._head_done)  # (a body's bytes are not counted)
+        if counting:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if counting and self._head_bytes > self.max_head_bytes and not (self._reading and self._head_done) \
+                and not self.transport.is_closing():
+            self._close_reading("431 Request Header Fields Too Large", f"a request head is at most "
+                                f"{self.max_head_bytes} bytes (request line and headers)", "header_too_large")
+
     # -- the parser's callbacks
 
     def on_message_begin(self) -> None:
@@ -66,6 +84,7 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
     def on_headers_complete(self) -> None:
         before = self.cycle
         super().on_headers_complete()
+        self._head_bytes = 0
         if self.cycle is not before:
             self._in_flight += 1
             self._head_done = True

@@ -159,3 +159,23 @@ def test_bodies_held_at_once_are_bounded(server) -> None:
         assert outcome(s)[1].startswith(b"HTTP/1.1 408")
     r = httpx.post(f"{server.url}/rpc/check_health", content=big, headers={"content-type": "application/msgpack"})
     assert r.status_code == 400 and msgpack.unpackb(r.content)["error"]["field"] == "pad"  # read whole, decoded
+
+
+@pytest.mark.parametrize("where", ["url", "header"])
+def test_a_request_head_is_bounded(server, where: str) -> None:
+    """httptools alone buffers a request line or header without bound (a 200 MB URL: 400 MB held).
+    Past 64 KiB of head: 431 and closed, after reading about that much; 32 KiB is served."""
+    from sidecar.server.connguard import MAX_HEAD_BYTES
+
+    big = b"q" * (4 * MAX_HEAD_BYTES)
+    head = (b"POST /rpc/check_health?" + big + b" HTTP/1.1\r\n" if where == "url"
+            else b"POST /rpc/check_health HTTP/1.1\r\nhost: x\r\nx-big: " + big)
+    sock = connect(server)
+    with pytest.raises(OSError):  # the server stops reading (and resets) long before 100 MiB
+        for _ in range(400):
+            sock.sendall(head)
+    closed, data = outcome(sock)
+    assert closed and data.startswith(b"HTTP/1.1 431 ") and b"header_too_large" in data, data[:200]
+    ok = connect(server)
+    ok.sendall(post("check_health", b"", **{"x-big": "a" * (MAX_HEAD_BYTES // 2)}))
+    assert ok.recv(65536).startswith(b"HTTP/1.1 200")
