@@ -53,6 +53,7 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
         self._head_done = False  # ... and its head is parsed (it is one of the _in_flight)
         self._since = time.monotonic()  # when the current idle or read period began
         self._head_bytes = 0  # bytes received since the last head was complete
+        self._write_timer: asyncio.TimerHandle | None = None
         if len(self.connections) > self.max_connections and not self._make_room():
             transport.write(_reply("503 Service Unavailable", f"the server holds {self.max_connections} connections, "
                                    "each with a call running (--max-connections)", "unavailable", retry_after=1))
@@ -62,7 +63,30 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if getattr(self, "_write_timer", None) is not None:
+            self._write_timer.cancel()  # type: ignore[union-attr]
         super().connection_lost(exc)
+
+    # A reply the client does not read: past the transport's high-water mark its handler waits (it
+    # would hold the connection, unevictable, forever); after read_timeout the connection is dropped.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_timer = self.loop.call_later(self.read_timeout, self._shut, True)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if getattr(self, "_write_timer", None) is not None:
+            self._write_timer.cancel()  # type: ignore[union-attr]
+            self._write_timer = None
+
+    def _shut(self, drop: bool = False) -> None:
+        """Close; with unsent reply bytes (a client that stopped reading), drop them and the socket
+        now: a plain close would wait for them, holding the descriptor for as long as the client likes."""
+        if not self.transport.is_closing() or drop:
+            if drop or self.transport.get_write_buffer_size():
+                self.transport.abort()
+            else:
+                self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         counting = not (self._reading and self._head_done)  # (a body's bytes are not counted)
@@ -129,7 +153,7 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
     def _idle_expired(self) -> None:
         self._timer = None
         if self._idle and not self.transport.is_closing():
-            self.transport.close()
+            self._shut()
 
     def _read_expired(self) -> None:
         self._timer = None
@@ -154,7 +178,7 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
             if pick:
                 victim = min(pick, key=lambda c: c._since)
                 if kind == "idle":
-                    victim.transport.close()
+                    victim._shut()
                 else:
                     victim._close_reading("503 Service Unavailable", "the server is at --max-connections; this "
                                           "connection was the longest reading one", "unavailable", retry_after=1)

@@ -22,7 +22,7 @@ MAX_CONNECTIONS = 12
 def server(home: str):
     flags = ["--preload", "--idle-timeout", "0.3", "--read-timeout", str(READ_TIMEOUT), "--max-connections",
              str(MAX_CONNECTIONS), "--max-body-bytes", str(BODY_LIMIT), "--max-model-len", "4096",
-             "--max-num-batched-tokens", "64", "--max-num-seqs", "2"]
+             "--max-num-batched-tokens", "64", "--max-num-seqs", "2", "--max-logprobs", "512"]
     with start_server(*flags, env={"MLX_SIDECAR_AUTH_TOKEN": None}) as s:
         s.addr = ("127.0.0.1", int(s.url.rsplit(":", 1)[1]))  # type: ignore[attr-defined]
         yield s
@@ -179,3 +179,33 @@ def test_a_request_head_is_bounded(server, where: str) -> None:
     ok = connect(server)
     ok.sendall(post("check_health", b"", **{"x-big": "a" * (MAX_HEAD_BYTES // 2)}))
     assert ok.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def _fds(pid: int) -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_client_that_never_reads_its_reply_is_dropped(server) -> None:
+    """A reply far past the transport's high-water mark (a prompt's logprobs), never read: its
+    handler waits on it; the connection is dropped (its descriptor freed) after the read timeout,
+    instead of being held, unevictable, for as long as the client likes."""
+    base = _fds(server.pid)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's buffers fill
+    sock.connect(server.addr)
+    _OPEN.append(sock)
+    so = prefill("unread", 3000)
+    so["scheduled_new_reqs"][0]["sampling_params"]["prompt_logprobs"] = 512  # a reply of ~18 MB: past the kernel buffers
+    sock.sendall(post("execute_model", msgpack.packb({"scheduler_output": so})))
+    deadline = time.monotonic() + 30
+    while _fds(server.pid) > base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _fds(server.pid) <= base, "the connection is still held"
+    with httpx.Client(base_url=server.url) as c:  # the step itself ran; the worker serves on
+        r = c.post("/rpc/execute_model", content=msgpack.packb({"scheduler_output": finish("unread")}),
+                   headers={"content-type": "application/msgpack"})
+        assert r.status_code == 200
+        assert httpx.get(f"{server.url}/metrics").text.count("mlx_worker_running_requests 0.0") == 1
