@@ -197,8 +197,8 @@ def test_a_client_that_never_reads_its_reply_is_dropped(server) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's buffers fill
     sock.connect(server.addr)
     _OPEN.append(sock)
-    so = prefill("unread", 3000)
-    so["scheduled_new_reqs"][0]["sampling_params"]["prompt_logprobs"] = 512  # a reply of ~18 MB: past the kernel buffers
+    so = prefill("unread", 1500)
+    so["scheduled_new_reqs"][0]["sampling_params"]["prompt_logprobs"] = 512  # a reply of ~9 MB: past the kernel buffers
     sock.sendall(post("execute_model", msgpack.packb({"scheduler_output": so})))
     deadline = time.monotonic() + 30
     while _fds(server.pid) > base and time.monotonic() < deadline:
