@@ -129,15 +129,9 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
 
     bodies = BodyBudget(4 * config.max_body_bytes)
 
-    async def rpc_reply(request: Any) -> tuple[int, dict[str, str], bytes, str]:
+    @bodies.holding  # `held`: the body bytes this call took from `bodies`, given back once it is answered
+    async def rpc_reply(request: Any, held: list[int]) -> tuple[int, dict[str, str], bytes, str]:
         """(status, headers, body, media type); `request`: Starlette's or server/lean.py's."""
-        held = [0]  # body bytes taken from `bodies`, given back once the call is answered
-        try:
-            return await _rpc_reply(request, held)
-        finally:
-            bodies.release(held[0])
-
-    async def _rpc_reply(request: Any, held: list[int]) -> tuple[int, dict[str, str], bytes, str]:
         t0 = time.perf_counter()
         rid = _request_id(request.headers.get("x-request-id"))
         method = request.path_params["method"]

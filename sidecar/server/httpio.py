@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -58,6 +58,17 @@ class BodyBudget:
 
     def release(self, n: int) -> None:
         self.held = max(0, self.held - n)
+
+    def holding(self, handler: Callable[[Any, list[int]], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+        """`handler(request, held)` as `call(request)`, releasing what it took (`held[0]`) at the end."""
+        async def call(request: Any) -> Any:
+            held = [0]
+            try:
+                return await handler(request, held)
+            finally:
+                self.release(held[0])
+
+        return call
 
 
 async def read_body(request: Request, limit: int, budget: BodyBudget | None = None, held: list[int] | None = None) -> bytes:
