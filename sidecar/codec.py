@@ -27,8 +27,11 @@ MAX_MAPS = 65536  # maps per body: a step needs a few per request
 INT_KEYED_MAPS = frozenset({"logit_bias"})
 
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
-_KEY_TYPES = frozenset({str, int})
+# Keys `_map` lets through, for `_check_tree` to judge with the map's path (any other hashable
+# key: float, bool, nil, binary). Unhashable ones (an array or map as a key) stop in `_map`.
+_KEY_TYPES = frozenset({str, int, bytes, float, bool, type(None)})
 _STR_KEYS = frozenset({str})
+_KEY_TYPES_INT = frozenset({str, int})
 # A JSON escape of a UTF-16 surrogate: the only way a lone surrogate gets into a decoded string
 # (the body itself must be valid UTF-8, which excludes encoded surrogates).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -39,6 +42,8 @@ def wire_type(value: Any) -> str:
     t = type(value)
     if t is float:
         return f"float {value!r}"
+    if t is _Ext:
+        return f"ext type {value.code}"
     return _WIRE_NAMES.get(t, "ext type" if isinstance(value, msgpack.Timestamp) else t.__name__)
 
 
@@ -87,8 +92,17 @@ def _map(pairs: list[tuple[Any, Any]]) -> dict:
     return d
 
 
+class _Ext:
+    """An ext value, kept in the tree so `_check_tree` can name where it is (then reject it)."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: int):
+        self.code = code
+
+
 def _no_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack ext type {code} is not allowed")
+    return _Ext(code)
 
 
 def decode_body(body: bytes, content_type: str) -> dict:
@@ -118,7 +132,8 @@ def _decode(body: bytes, is_json: bool) -> dict:
             )
         else:
             # Strict UTF-8 first: json.loads(bytes) would also take UTF-16/32 and encoded surrogates.
-            value = json.loads(body.decode("utf-8"), object_pairs_hook=_map_hook())
+            wide: list[int] = []
+            value = json.loads(body.decode("utf-8"), object_pairs_hook=_map_hook(), parse_int=_json_int(wide))
     except ProtocolError:
         raise
     except (ValueError, msgpack.UnpackException, RecursionError) as e:
@@ -131,7 +146,38 @@ def _decode(body: bytes, is_json: bool) -> dict:
     _check_tree(value)
     if is_json and _SURROGATE_ESCAPE.search(body):
         _check_strings(value)
+    if is_json and wide:
+        _check_ints(value)
     return value
+
+
+# JSON integers live in msgpack's range, so no handler meets an int msgpack could not carry (a
+# float(10**400) deep in a check would be an OverflowError, a 500).
+INT_MIN, INT_END = -(1 << 63), 1 << 64
+
+
+def _json_int(wide: list[int]) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = int(text)
+        if not INT_MIN <= v < INT_END:
+            wide.append(v)
+        return v
+
+    return parse
+
+
+def _check_ints(root: dict) -> None:
+    """Name the first integer outside [-2**63, 2**64) (only run when the parse saw one)."""
+    stack: list[tuple] = [(root, 0, None, None)]
+    while stack:
+        entry = stack.pop()
+        node = entry[0]
+        for k, v in (node.items() if type(node) is dict else enumerate(node)):
+            if type(v) is int and not INT_MIN <= v < INT_END:
+                raise ProtocolError(f"integer of {len(str(abs(v)))} digits is outside the 64-bit range "
+                                    "[-2**63, 2**64) msgpack carries", field=_path((v, 0, entry, k)) or None)
+            if type(v) is dict or type(v) is list:
+                stack.append((v, 0, entry, k))
 
 
 # The fast path takes small msgpack bodies (a decode step's is a few hundred bytes).
@@ -217,9 +263,11 @@ def _check_tree(root: dict) -> None:
         if depth > MAX_DEPTH:
             raise ProtocolError(f"nesting deeper than {MAX_DEPTH}", field=_path(entry) or None)
         if type(node) is dict:
-            if int in set(map(type, node)) and entry[3] not in INT_KEYED_MAPS:
-                key = next(k for k in node if type(k) is int)
-                raise ProtocolError(f"map keys must be strings, got integer {key}", field=_path(entry) or None)
+            kinds = set(map(type, node))
+            if not kinds <= _STR_KEYS and not (kinds <= _KEY_TYPES_INT and entry[3] in INT_KEYED_MAPS):
+                key = next(k for k in node if type(k) is not str and (type(k) is not int or entry[3] not in INT_KEYED_MAPS))
+                what = f"integer {key}" if type(key) is int else wire_type(key)
+                raise ProtocolError(f"map keys must be strings, got {what}", field=_path(entry) or None)
             items = node.items()
         else:
             # Lists of scalars (token ids), of scalar lists (block tables per group), ... are
@@ -235,7 +283,7 @@ def _check_tree(root: dict) -> None:
             if tv is dict or tv is list:
                 stack.append((v, depth + 1, entry, k))
             elif tv not in _SCALARS:
-                what = "the timestamp ext (type -1)" if isinstance(v, msgpack.Timestamp) else tv.__name__
+                what = "the timestamp ext (type -1)" if isinstance(v, msgpack.Timestamp) else wire_type(v)
                 raise ProtocolError(f"msgpack ext types are not allowed, got {what}",
                                     field=_path((v, depth + 1, entry, k)) or None)
 

@@ -46,6 +46,11 @@ class Config:
     max_queue: int = 64
     call_timeout: float = 600.0
     shutdown_timeout: float = 30.0
+    # per-connection bounds (server/connguard.py): a connection with no request is closed after
+    # idle_timeout s, a request must arrive whole within read_timeout s, at most max_connections
+    idle_timeout: float = 5.0
+    read_timeout: float = 60.0
+    max_connections: int = 512
     preload: bool = False  # run the lifecycle to `ready` at start-up
     lora_dir: str | None = None
     max_loras: int = 8
@@ -87,11 +92,11 @@ class Config:
             ("block_size", 1 <= self.block_size <= 1024, "must be in [1, 1024]"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", 1 <= self.max_num_batched_tokens <= 1 << 20, "must be in [1, 2^20]"),
             ("max_logprobs", self.max_logprobs >= 0, "must be >= 0"),
             ("max_live_requests", self.max_live_requests >= 1, "must be >= 1"),
             ("max_req_id_len", 1 <= self.max_req_id_len <= 1 << 20, "must be in [1, 2^20]"),
-            ("max_model_len", self.max_model_len >= 0, "must be >= 0"),
+            ("max_model_len", 0 <= self.max_model_len <= 1 << 20, "must be in [0, 2^20]"),
             ("kv_dtype", self.kv_dtype in ("auto", "float16", "bfloat16", "float32", "8bit", "4bit"),
              "must be auto|float16|bfloat16|float32|8bit|4bit"),
             ("device", self.device in ("auto", "gpu", "cpu"), "must be auto, gpu or cpu"),
@@ -100,6 +105,9 @@ class Config:
             ("max_loras", self.max_loras >= 1, "must be >= 1"),
             ("call_timeout", self.call_timeout > 0, "must be > 0"),
             ("shutdown_timeout", self.shutdown_timeout > 0, "must be > 0"),
+            ("idle_timeout", self.idle_timeout > 0, "must be > 0"),
+            ("read_timeout", self.read_timeout > 0, "must be > 0"),
+            ("max_connections", self.max_connections >= 1, "must be >= 1"),
             ("max_body_bytes", self.max_body_bytes >= 1, "must be >= 1"),
             ("log_level", self.log_level.lower() in LOG_LEVELS, "must be one of " + "|".join(LOG_LEVELS)),
             ("tensor_parallel", self.tensor_parallel >= 1, "must be >= 1"),
@@ -119,6 +127,7 @@ class Config:
             ("num_speculative_tokens", 1 <= self.num_speculative_tokens <= 32, "must be in [1, 32]"),
             ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
             ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min, "must be >= prompt_lookup_min"),
+            ("prompt_lookup_max", self.prompt_lookup_max <= 128, "must be <= 128"),  # each step's lookup ~ N x it
         ]
         for key, ok, why in checks:
             if not ok:

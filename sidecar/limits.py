@@ -7,11 +7,14 @@ its size; what has the wrong type is left for the full decode to report. Limits 
 - a block table holds at most ceil(max_model_len / block_size) + TABLE_SLACK_BLOCKS (4) blocks,
   per KV cache group; at most MAX_KV_CACHE_GROUPS groups;
 - a prompt or a request's stated tokens are at most max_model_len long;
+- a step computes at most max(--max-num-batched-tokens, max_model_len) tokens
+  (total_num_scheduled_tokens; each per-request count must add up to it);
 - a req_id is at most --max-req-id-len characters (default 256);
 - the worker holds at most --max-live-requests requests (default 1024);
 - finished_req_ids / preempted_req_ids have at most MAX_ID_LIST ids;
 - per request, logit_bias, allowed_token_ids and stop_token_ids have at most vocab_size entries,
-  bad_words_token_ids at most MAX_BAD_WORDS words of at most max_model_len tokens.
+  bad_words_token_ids at most MAX_BAD_WORDS words of at most max_model_len tokens, and at most
+  MAX_BAD_WORD_TOKENS (65536) tokens in all.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sidecar.errors import ProtocolError
 MAX_KV_CACHE_GROUPS = 16
 MAX_ID_LIST = 65536
 MAX_BAD_WORDS = 4096
+MAX_BAD_WORD_TOKENS = 65536  # all of one request's bad words together
 # Blocks a table may hold beyond what max_model_len needs: lookahead/speculative slots, and
 # schedulers that allocate a few blocks ahead.
 TABLE_SLACK_BLOCKS = 4
@@ -36,10 +40,18 @@ class Limits:
     max_live_requests: int = 1024
     max_req_id_len: int = 256
     vocab_size: int = 1 << 30
+    max_num_batched_tokens: int = 0  # 0: only max_model_len bounds a step's tokens
 
     @classmethod
     def of(cls, config: Any, max_model_len: int, vocab_size: int) -> Limits:
-        return cls(max_model_len, config.block_size, config.max_live_requests, config.max_req_id_len, vocab_size)
+        return cls(max_model_len, config.block_size, config.max_live_requests, config.max_req_id_len, vocab_size,
+                   config.max_num_batched_tokens)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Tokens one step may compute: what vLLM's scheduler can send (its token budget, or one
+        whole prompt when that is longer). Without it, live requests x max_model_len in one forward."""
+        return max(self.max_num_batched_tokens, self.max_model_len)
 
     @property
     def max_table_len(self) -> int:
@@ -90,6 +102,11 @@ def _sampling(sp: dict, lim: Limits, path: str) -> None:
         _at_most(words, MAX_BAD_WORDS, key, f"{path}.{key}")
         for i, w in enumerate(_list(words)):
             _at_most(w, lim.max_model_len, "a bad word (max_model_len)", f"{path}.{key}[{i}]")
+        # Every step compares a request's words with its output: their tokens bound that cost.
+        total = sum(map(_len, _list(words)))
+        if total > MAX_BAD_WORD_TOKENS:
+            raise ProtocolError(f"{key} hold {total} tokens in all, the limit is {MAX_BAD_WORD_TOKENS}",
+                                field=f"{path}.{key}")
 
 
 def _decode_within_bounds(so: dict, requests: Mapping[str, Any], lim: Limits) -> bool:
@@ -143,7 +160,13 @@ def _decode_within_bounds(so: dict, requests: Mapping[str, Any], lim: Limits) ->
 
 def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
     """Raise ProtocolError (with the field) when a scheduler_output breaks a bound."""
-    if type(so) is not dict or _decode_within_bounds(so, requests, lim):
+    if type(so) is not dict:
+        return
+    total = so.get("total_num_scheduled_tokens")
+    if type(total) is int and total > lim.max_step_tokens:
+        raise ProtocolError(f"a step of {total} tokens is over the limit of {lim.max_step_tokens} "
+                            "(max(--max-num-batched-tokens, max_model_len))", field="total_num_scheduled_tokens")
+    if _decode_within_bounds(so, requests, lim):
         return
     new = so.get("scheduled_new_reqs")
     _at_most(new, lim.max_live_requests, "scheduled_new_reqs", "scheduled_new_reqs")

@@ -263,7 +263,12 @@ class MLXWorker(StateMachine):
         if groups and named != set(ours):
             missing = sorted(set(ours) - named)[0]
             raise ProtocolError(f"layer {missing!r} is in no KV cache group", field=f"{path}.kv_cache_groups")
-        self.initialize_cache(num_blocks, 0)
+        try:
+            self.initialize_cache(num_blocks, 0)
+        except ProtocolError as e:  # its checks name its own argument; here that is num_blocks
+            if e.field == "num_gpu_blocks":
+                e.field = f"{path}.num_blocks"
+            raise
         self.runner.set_groups(order)
 
     @lifecycle

@@ -131,3 +131,14 @@ def test_a_large_body_is_left_to_the_full_decode(monkeypatch: pytest.MonkeyPatch
     assert calls == []  # negative control below: a small body does reach it
     decode_body(msgpack.packb({"a": 1}), MP)
     assert len(calls) == 1
+
+
+def test_json_integers_stay_in_msgpacks_range() -> None:
+    """msgpack carries [-2**63, 2**64); a JSON body may not smuggle a wider int to a handler (a
+    float() of it would overflow), and the message names where it is."""
+    edge = decode_body(b'{"a": [18446744073709551615, -9223372036854775808]}', JS)
+    assert edge == {"a": [2**64 - 1, -(2**63)]}
+    for text, path in ((b'{"a": {"t": [1, 18446744073709551616]}}', "a.t[1]"), (b'{"b": -9223372036854775809}', "b"),
+                       (b'{"scheduler_output": {"x": {"temperature": 1%s}}}' % (b"0" * 400), "x.temperature")):
+        e = reject(text, JS)
+        assert e.field == path and "64-bit range" in e.message, (e.field, e.message)

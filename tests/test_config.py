@@ -76,3 +76,15 @@ def test_init_device_may_set_the_ngram_proposer_but_not_a_draft_model_path() -> 
         Config().override({"speculative_method": "draft_model"})
     assert e.value.key == "draft_model"
     assert Config(draft_model="builtin:tiny").override({"speculative_method": "draft_model"}).spec_method == "draft_model"
+
+
+@pytest.mark.parametrize("key, ok, bad", [("prompt_lookup_max", 128, 129), ("max_model_len", 1 << 20, (1 << 20) + 1),
+                                          ("max_num_batched_tokens", 1 << 20, (1 << 20) + 1)])
+def test_overrides_whose_cost_grows_with_them_are_bounded(key: str, ok: int, bad: int) -> None:
+    """A scheduler's init_device may set these; each step's cost grows with them (the n-gram
+    lookup ~ history x prompt_lookup_max; a step's tokens ~ max(max_num_batched_tokens, max_model_len))."""
+    extra = {"speculative_method": "ngram"} if key == "prompt_lookup_max" else {}
+    assert getattr(Config().override({**extra, key: ok}), key) == ok
+    with pytest.raises(ConfigError) as e:
+        Config().override({**extra, key: bad})
+    assert e.value.key == key

@@ -127,3 +127,29 @@ def test_the_live_request_bound_holds_for_decodes() -> None:
     assert field(decode(), three) == "scheduled_new_reqs"
     assert limits._decode_within_bounds(decode(finished_req_ids=["c"]), three, LIM)  # dropping one brings it back
     assert field(decode(finished_req_ids=["c"]), three) is None
+
+
+def test_bad_words_are_bounded_in_total_tokens() -> None:
+    """Each step compares every bad word with the output: their tokens together are bounded."""
+    at = {"scheduled_new_reqs": [new("a", bad_words_token_ids=[[1] * 64] * 1024)]}  # 65536 tokens: the limit
+    assert field(at) is None
+    over = {"scheduled_new_reqs": [new("a", bad_words_token_ids=[[1] * 64] * 1024 + [[2]])]}
+    assert field(over) == "scheduled_new_reqs[0].sampling_params.bad_words_token_ids"
+
+
+def test_a_steps_tokens_are_bounded() -> None:
+    """At most max(max_num_batched_tokens, max_model_len) tokens: else 1024 live requests could
+    each prefill max_model_len tokens in one forward. Checked on decode-only steps too."""
+    lim = Limits(max_model_len=64, block_size=16, max_num_batched_tokens=128)
+    assert lim.max_step_tokens == 128 and Limits(max_model_len=64, block_size=16).max_step_tokens == 64
+
+    def at(total: int, so: dict) -> str | None:
+        try:
+            check_step_shape({**so, "total_num_scheduled_tokens": total}, {}, lim)
+        except ProtocolError as e:
+            return e.field
+        return None
+
+    for so in ({"scheduled_new_reqs": [new("a")]}, {"scheduled_cached_reqs": {"req_ids": ["a"]}}):
+        assert at(128, so) is None
+        assert at(129, so) == "total_num_scheduled_tokens"

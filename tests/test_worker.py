@@ -69,6 +69,10 @@ def test_initialize_from_config(make_worker) -> None:
     with pytest.raises(ProtocolError) as e:
         w.initialize_from_config({"num_blocks": 12, "kv_cache_groups": [{"layer_names": names[:1]}]})
     assert e.value.field == "kv_cache_config.kv_cache_groups"
+    for n in (0, 2**63):  # initialize_cache's own checks, named as this call's field
+        with pytest.raises(ProtocolError) as e:
+            w.initialize_from_config({"num_blocks": n})
+        assert e.value.field == "kv_cache_config.num_blocks", e.value.message
     assert w.runner.num_blocks == 12
 
 

@@ -21,6 +21,7 @@ import mlx.nn as nn
 from sidecar.errors import ProtocolError
 
 _MAX_PATH, _MAX_NAME = 1024, 255  # bytes: below every OS's PATH_MAX / NAME_MAX
+_MAX_CONFIG = 1 << 20  # adapter_config.json bytes read at most (a real one is < 1 KiB)
 
 
 @dataclass
@@ -106,7 +107,11 @@ class LoRAManager:
         fp = "lora_request.lora_path"
         config_file, weights_file = self.resolve(path, fp)
         try:
-            config = json.loads(config_file.read_bytes()[: 1 << 20])
+            with open(config_file, "rb") as f:  # bounded: the file may be any size
+                text = f.read(_MAX_CONFIG + 1)
+            if len(text) > _MAX_CONFIG:
+                raise ProtocolError(f"the adapter's adapter_config.json is over {_MAX_CONFIG >> 20} MiB", field=fp)
+            config = json.loads(text)
             params = config.get("lora_parameters", {})
             scale = float(params.get("scale", 20.0))
             kind = config.get("fine_tune_type", "lora")

@@ -197,6 +197,7 @@ class Sampler:
         self._rng = random.Random(seed)
         self._lanes: mx.array | None = None
         self._prompts: dict[int, tuple[Sequence[int], int, np.ndarray]] = {}  # id -> (seq, len, unique ids)
+        self._biases: dict[int, tuple[SamplingParams, np.ndarray, np.ndarray]] = {}  # id(params) -> logit_bias arrays
 
     def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampleResult:
         R, V = logits.shape
@@ -230,22 +231,28 @@ class Sampler:
         allowed = [(i, np.asarray(p.allowed_token_ids)) for i, p in enumerate(ps) if p.allowed_token_ids]
         # bad words, min_tokens (-inf) and logit_bias: one scatter-add.
         adds: list[tuple[int, int, float]] = []
+        biases: list[tuple[int, np.ndarray, np.ndarray]] = []
+        bias_cache, self._biases = self._biases, {}
         for i, (r, p) in enumerate(zip(rows, ps)):
             if p.bad_words_token_ids:
                 adds += [(i, t, -math.inf) for t in _bad_words(p.bad_words_token_ids, r.output_token_ids)]
             if len(r.output_token_ids) < p.min_tokens:
                 adds += [(i, t, -math.inf) for t in (p.stop_token_ids or ()) + (self.eos_token_ids if p.adds_eos else ())]
             if p.logit_bias:
-                adds += [(i, t, b) for t, b in p.logit_bias.items()]
+                biases.append((i, *self._bias_arrays(p, V, bias_cache)))
         adds = [a for a in adds if 0 <= a[1] < V]
-        if allowed or adds:
+        if adds or biases:
+            r_, t_, b_ = zip(*adds) if adds else ((), (), ())
+            rr = np.concatenate([np.asarray(r_, np.int32)] + [np.full(len(t), i, np.int32) for i, t, _ in biases])
+            tt = np.concatenate([np.asarray(t_, np.int32)] + [t for _, t, _ in biases])
+            bb = np.concatenate([np.asarray(b_, np.float32)] + [b for _, _, b in biases])
+        if allowed or adds or biases:
             adj = mx.zeros((R, V), mx.float32)
             if allowed:
                 col = mx.array([-math.inf if p.allowed_token_ids else 0.0 for p in ps])[:, None]
                 adj = (adj + col).at[_ids(allowed, V)].maximum(0.0)
-            if adds:
-                r, t, b = zip(*adds)
-                adj = adj.at[mx.array(r), mx.array(t)].add(mx.array(b, mx.float32))
+            if adds or biases:
+                adj = adj.at[mx.array(rr), mx.array(tt)].add(mx.array(bb))
             x = x + adj
         pen = [i for i, p in enumerate(ps) if p.has_penalties]
         if pen:
@@ -256,6 +263,20 @@ class Sampler:
             x = _penalize(x, _counts(outs, R, V), _counts(prompts, R, V), col("repetition_penalty"),
                           col("frequency_penalty"), col("presence_penalty"))
         return x
+
+    def _bias_arrays(self, p: SamplingParams, V: int, cache: dict) -> tuple[np.ndarray, np.ndarray]:
+        """A request's logit_bias as (token ids, biases) arrays, in the vocabulary, built once per
+        params object while its request keeps asking (per step, a vocabulary-wide bias was ~0.1 s
+        of Python per row)."""
+        hit = cache.get(id(p))
+        if hit is None or hit[0] is not p:
+            bias = p.logit_bias or {}
+            t = np.fromiter(bias.keys(), np.int64, len(bias))
+            b = np.fromiter(bias.values(), np.float32, len(bias))
+            ok = (t >= 0) & (t < V)
+            hit = (p, t[ok].astype(np.int32), b[ok])
+        self._biases[id(p)] = hit
+        return hit[1], hit[2]
 
     def _prompt_ids(self, seq: Sequence[int], cache: dict) -> np.ndarray:
         """Unique prompt ids, cached per prompt object while its request keeps asking for them."""
@@ -294,8 +315,10 @@ class Sampler:
 def _bad_words(words: Sequence[Sequence[int]], past: Sequence[int]) -> list[int]:
     """vLLM: ban a bad word's last token when the output so far ends with the rest of it."""
     banned = []
+    m = len(past)
     for w in words:
         n = len(w) - 1
-        if n <= len(past) and (n == 0 or list(past[len(past) - n :]) == list(w[:n])):
+        # (the last token first: a word that cannot match costs no slice)
+        if n == 0 or (n <= m and past[m - 1] == w[n - 1] and list(past[m - n :]) == list(w[:n])):
             banned.append(w[-1])
     return banned

@@ -36,10 +36,12 @@ from sidecar.errors import (MethodNotAllowed, SidecarError, StartupError, Unavai
 from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body
 from sidecar.server.httpio import encode_reply
 from sidecar.server.httpio import media_type as _media_type
+from sidecar.server.httpio import BodyBudget
 from sidecar.server.httpio import read_body as _read_body
 from sidecar.server.httpio import request_id as _request_id
 from sidecar.server.httpio import wants_msgpack as _wants_msgpack
 from sidecar.server.lean import LeanApp, http_protocol
+from sidecar.server.connguard import fd_room
 from sidecar.server.instance import EXPECT_HEADER, Instance, InstanceHeader
 from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_token
 from sidecar.server.logs import add_secret, configure_logging
@@ -125,7 +127,10 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             sc.begin_drain()
             await drain(sc)
 
-    async def rpc_reply(request: Any) -> tuple[int, dict[str, str], bytes, str]:
+    bodies = BodyBudget(4 * config.max_body_bytes)
+
+    @bodies.holding  # `held`: the body bytes this call took from `bodies`, given back once it is answered
+    async def rpc_reply(request: Any, held: list[int]) -> tuple[int, dict[str, str], bytes, str]:
         """(status, headers, body, media type); `request`: Starlette's or server/lean.py's."""
         t0 = time.perf_counter()
         rid = _request_id(request.headers.get("x-request-id"))
@@ -152,7 +157,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                                   "wait for /readyz)", retry_after=2)
             if in_type and in_type not in MSGPACK_TYPES and in_type != JSON_TYPE:
                 raise UnsupportedMediaType(f"content type {in_type[:64]!r} is not msgpack or JSON")
-            body = await _read_body(request, config.max_body_bytes)
+            body = await _read_body(request, config.max_body_bytes, bodies, held)
             if body and not in_type:
                 raise UnsupportedMediaType("a body needs Content-Type application/msgpack or application/json")
             if len(body) > _DECODE_OFF_LOOP_BYTES:
@@ -352,7 +357,8 @@ def serve(config: Config, worker: MLXWorker | None = None) -> int:
     sc: Sidecar = app.state.sidecar
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                         timeout_graceful_shutdown=max(0.1, config.shutdown_timeout),  # type: ignore[arg-type]
-                        lifespan="on", log_config=None, http=http_protocol())
+                        lifespan="on", log_config=None, timeout_keep_alive=config.idle_timeout,  # type: ignore[arg-type]
+                        http=http_protocol(config.read_timeout, fd_room(config.max_connections)))
 
     class Server(uvicorn.Server):
         exit_requested = False

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
 from sidecar.codec import JSON_TYPE, MSGPACK_TYPES, encode_body
-from sidecar.errors import ClientClosed, PayloadTooLarge
+from sidecar.errors import ClientClosed, PayloadTooLarge, Unavailable
 
 # An incoming X-Request-Id is reused when it is a plain token (no spaces, quotes or control
 # characters that could forge log lines); anything else is replaced by a fresh id.
@@ -42,7 +42,38 @@ def wants_msgpack(accept: str, in_type: str) -> bool:
     return in_type in MSGPACK_TYPES
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+class BodyBudget:
+    """The bytes of request bodies the server holds at once, read or being read, until their calls
+    are answered (each call's decoded body and result live that long too): so many connections,
+    or a queue of calls, each with a body just under the limit, cannot add up without bound."""
+
+    def __init__(self, total: int):
+        self.total, self.held = total, 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.total:
+            raise Unavailable(f"the server holds {self.held} bytes of request bodies, its budget is {self.total} "
+                              "(4 x --max-body-bytes); retry", retry_after=1)
+        self.held += n
+
+    def release(self, n: int) -> None:
+        self.held = max(0, self.held - n)
+
+    def holding(self, handler: Callable[[Any, list[int]], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+        """`handler(request, held)` as `call(request)`, releasing what it took (`held[0]`) at the end."""
+        async def call(request: Any) -> Any:
+            held = [0]
+            try:
+                return await handler(request, held)
+            finally:
+                self.release(held[0])
+
+        return call
+
+
+async def read_body(request: Request, limit: int, budget: BodyBudget | None = None, held: list[int] | None = None) -> bytes:
+    """The whole body; with `budget`, each chunk is taken from it and its size added to `held[0]`
+    (the caller releases that once the call is answered)."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"body of {length} bytes exceeds the {limit}-byte limit")
@@ -52,6 +83,9 @@ async def read_body(request: Request, limit: int) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+            if budget is not None and held is not None:
+                budget.take(len(chunk))
+                held[0] += len(chunk)
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientClosed(f"the client closed the connection after {size} body bytes") from None

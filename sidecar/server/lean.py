@@ -114,11 +114,11 @@ class LeanApp(Starlette):
                 asyncio.get_running_loop().call_soon(request.reply_gate.open)
 
 
-def http_protocol() -> Any:
-    """For uvicorn: its httptools protocol with one write per reply (server/coalesce.py), when
-    httptools is installed; else uvicorn's own choice."""
+def http_protocol(read_timeout: float = 60.0, max_connections: int = 512) -> Any:
+    """For uvicorn: its httptools protocol with one write per reply (server/coalesce.py) and the
+    per-connection bounds (server/connguard.py), when httptools is installed; else uvicorn's own."""
     try:
-        from sidecar.server.coalesce import GatheringHttpToolsProtocol
+        from sidecar.server.connguard import guarded_protocol
     except ImportError:
         return "auto"
-    return GatheringHttpToolsProtocol
+    return guarded_protocol(read_timeout, max_connections)

@@ -425,3 +425,22 @@ def test_greedy_ranks_half_precision_logits_as_mlx_lm_does():
     assert res.token_ids == [10]  # the full sampler's greedy too
     f32 = mx.array(base[None])
     assert S.greedy_tokens(f32).tolist() == [40]  # float32 keeps them apart
+
+
+def test_logit_bias_arrays_are_built_once_per_request() -> None:
+    """A vocabulary-wide logit_bias costs its Python loop once, not every step: the arrays are
+    kept per params object while its request is in the batch (and dropped once it is not)."""
+    V = 64
+    p = SamplingParams(logit_bias={t: 0.25 * (t % 3) for t in range(V)})
+    q = SamplingParams(logit_bias={5: -1.0})
+    s = Sampler(V, [EOS])
+    x = mx.zeros((2, V))
+    first = np.array(s.process_logits(x, [SamplingRow(p, [1], [2]), SamplingRow(q, [1], [])]))
+    arrays = s._biases[id(p)][1]
+    again = np.array(s.process_logits(x, [SamplingRow(p, [1], [2, 3]), SamplingRow(q, [1], [4])]))
+    assert s._biases[id(p)][1] is arrays  # not rebuilt
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first[0], [0.25 * (t % 3) for t in range(V)])
+    assert first[1, 5] == -1.0 and (np.delete(first[1], 5) == 0).all()
+    s.process_logits(x[:1], [SamplingRow(q, [1], [])])
+    assert id(p) not in s._biases  # p's request left the batch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,15 @@ def shared_lora_root(home: str, tmp_path_factory: pytest.TempPathFactory) -> Pat
     (root / "notamap" / "adapter_config.json").write_text('[1, 2]')
     shutil.copytree(root / "good", root / "garbage")
     (root / "garbage" / "adapters.safetensors").write_bytes(b"\xff" * 64 + b"not safetensors at all")
+    # Files that are no adapter's, whatever their name: a 2 GiB (sparse) config, a FIFO, a symlink loop.
+    shutil.copytree(root / "good", root / "hugeconfig")
+    os.truncate(root / "hugeconfig" / "adapter_config.json", 2 << 30)
+    shutil.copytree(root / "good", root / "fifo")
+    (root / "fifo" / "adapter_config.json").unlink()
+    os.mkfifo(root / "fifo" / "adapter_config.json")
+    shutil.copytree(root / "good", root / "loop")
+    (root / "loop" / "adapters.safetensors").unlink()
+    (root / "loop" / "adapters.safetensors").symlink_to("adapters.safetensors")
     return root
 
 
