@@ -97,7 +97,9 @@ class DeviceIdle:
             return
         last, self._last = self._last, (now, busy)
         if decode_rows and last is not None:
-            idle = max(0.0, (now - last[0]) - (busy - last[1]))
+            # Not clamped per step: a runnable wait still going on at a reading is counted at the
+            # next one, so that step's idle reads high by it and the next one's low (below zero).
+            idle = (now - last[0]) - (busy - last[1])
             seconds, steps = self._totals.get(decode_rows, (0.0, 0))
             totals = dict(self._totals)
             totals[decode_rows] = (seconds + idle, steps + 1)
@@ -108,4 +110,4 @@ class DeviceIdle:
         """{rows: {"seconds": idle, "steps": n}} for /info; None when not measurable here."""
         if not self._clocks:
             return None
-        return {str(k): {"seconds": s, "steps": n} for k, (s, n) in sorted(self._totals.items())}
+        return {str(k): {"seconds": max(0.0, s), "steps": n} for k, (s, n) in sorted(self._totals.items())}

@@ -73,6 +73,25 @@ def test_idle_is_wall_time_minus_the_threads_busy_time() -> None:
         w.go.set()
 
 
+def test_a_wait_still_going_on_at_a_reading_is_counted_at_the_next(monkeypatch) -> None:
+    """A stream thread waiting for a core when a step's reply is handed over has that wait counted
+    only at the next reading: that step reads idle it was not, the next one less than none. The
+    totals keep both (they add up to the truth); clamping each step at zero would keep the first."""
+    from types import SimpleNamespace
+
+    from sidecar.server import deviceidle
+
+    d = DeviceIdle([threading.get_native_id()])
+    clock = iter([0.0, 10.0, 20.0, 30.0])
+    busy = iter([0.0, 9.0, 20.0, 29.0])  # busy 9, 11, 9 s of 10: a wait of the first period read in the second
+    monkeypatch.setattr(deviceidle, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(d, "busy", lambda: next(busy))
+    d.mark(None, True)
+    for _ in range(3):
+        d.mark(1, True)
+    assert d.totals["1"] == {"seconds": 1.0, "steps": 3}  # 1 + (-1) + 1; per-step clamping: 2
+
+
 def test_nothing_is_measured_without_threads() -> None:
     d = DeviceIdle([])
     d.mark(1, True)
