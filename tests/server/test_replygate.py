@@ -35,12 +35,14 @@ class _PatientGate(ReplyGate):
 
 
 def _run_gated(open_after: float | None, call_seconds: float = 2 * HOLD_MIN_CALL_SECONDS,
-               gate_type: type[ReplyGate] = ReplyGate) -> tuple[float, list[str]]:
+               gate_type: type[ReplyGate] = ReplyGate) -> tuple[float, list[str], float]:
     """A gated call of `call_seconds`; the gate opened `open_after` seconds after the reply (None:
-    never). Returns how long after the reply the hook started, and the order of events."""
+    never). Returns how long after the reply (as the loop saw it) the hook started, the order of
+    events, and how long after the call's end on the MLX thread it started."""
     events: list[str] = []
     hooked = threading.Event()
     started: list[float] = []
+    ended: list[float] = []
 
     def hook() -> None:
         started.append(time.perf_counter())
@@ -51,7 +53,8 @@ def _run_gated(open_after: float | None, call_seconds: float = 2 * HOLD_MIN_CALL
         t = MLXThread(4, after_reply=hook, after_job=lambda: events.append("published"))
         gate = gate_type()
         try:
-            await t.call(lambda: events.append("call") or time.sleep(call_seconds), 5, gate)
+            await t.call(lambda: events.append("call") or time.sleep(call_seconds) or ended.append(time.perf_counter()),
+                         5, gate)
             replied = time.perf_counter()
             events.append("replied")
             if open_after is not None:
@@ -64,24 +67,26 @@ def _run_gated(open_after: float | None, call_seconds: float = 2 * HOLD_MIN_CALL
             t.stop()
             t.join(5)
 
-    return asyncio.run(main()), events
+    return asyncio.run(main()), events, started[0] - ended[0]
 
 
 def test_the_hook_waits_for_the_gate() -> None:
-    delay, events = _run_gated(0.0005, gate_type=_PatientGate)
+    delay, events, _ = _run_gated(0.0005, gate_type=_PatientGate)
     assert events == ["call", "replied", "open", "published", "hook"]
     assert delay < 0.5
 
 
 def test_a_gate_never_opened_holds_the_hook_for_the_bound_only() -> None:
-    delay, events = _run_gated(None)
+    delay, events, after_call = _run_gated(None)
     assert events == ["call", "replied", "published", "hook"]
-    assert HOLD_SECONDS * 0.9 < delay < 0.5  # (negative control of the test above: it did wait)
+    # (negative control of the test above: it did wait; timed from the call's end on the MLX
+    # thread, as a loop slow to see the reply would make the delay after it read short)
+    assert HOLD_SECONDS * 0.9 < after_call and delay < 0.5
 
 
 def test_a_short_call_does_not_hold_the_hook() -> None:
     """A call shorter than HOLD_MIN_CALL_SECONDS (a small model's step): the hook runs at once."""
-    delay, events = _run_gated(0.2, call_seconds=0.0)
+    delay, events, _ = _run_gated(0.2, call_seconds=0.0)
     assert events.index("hook") < events.index("open") and delay < 0.15  # (the long call's hook waited for it)
 
 
