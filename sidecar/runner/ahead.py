@@ -77,8 +77,8 @@ def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str]
            and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
            < (r.state.sampling_params.max_tokens or 1 << 62)]
     idx, cross = boundary.admit(runner, rows, idx, at)  # a row opening a new block: the scratch block
-    if not idx:
-        return None
+    if not idx or len(idx) * (max(at[i] for i in idx) + 1) > runner.read_limit():
+        return None  # (one batch only: past the read limit the next step splits its rows itself)
     nxt = [Row(rows[i].state, at[i], [0], boundary.table(runner.pool, rows[i]) if i == cross else rows[i].block_ids,  # type: ignore[arg-type]
                True, other_block_ids=rows[i].other_block_ids) for i in idx]
     last: list[mx.array | None] = [None] * len(nxt)

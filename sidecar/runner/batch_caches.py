@@ -25,6 +25,31 @@ def exact_batches(rows: Sequence[Row], idx: list[int], caches: ModelCaches) -> l
     return list(out.values())
 
 
+# A batch's attention gathers rows x longest context key slots per layer (BatchLayout.reads). Rows
+# that share blocks (a common prefix) can make that far more than the pool holds, and the memory
+# profile never ran it: a batch reads at most this many pools' worth of slots, else it is split.
+READ_POOLS = 4
+
+
+def read_limit(num_slots: int, max_model_len: int) -> int:
+    """Key slots one batch may read per layer: READ_POOLS x the pool's, at least one full context."""
+    return max(READ_POOLS * num_slots, max_model_len)
+
+
+def read_bounded(rows: Sequence[Row], idx: list[int], limit: int) -> list[list[int]]:
+    """`idx` as one batch when its padded read (rows x longest context) is within `limit`, else
+    batches of rows of similar context that each are (a row alone always is: its context is at
+    most max_model_len). Rows are independent, so results do not depend on the split."""
+    if not idx or len(idx) * max(rows[i].end for i in idx) <= limit:
+        return [idx]
+    out: list[list[int]] = [[]]
+    for i in sorted(idx, key=lambda i: rows[i].end):  # (each batch's longest row is its last)
+        if out[-1] and (len(out[-1]) + 1) * rows[i].end > limit:
+            out.append([])
+        out[-1].append(i)
+    return out
+
+
 def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: Sequence[Row],
                  lengths: Sequence[int], build: Callable[..., BatchLayout] = BatchLayout.build,
                  ) -> tuple[list[Any], Callable[[], None]]:

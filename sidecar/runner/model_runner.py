@@ -25,7 +25,7 @@ from sidecar.runner.ahead import _Ahead
 from sidecar.runner.fused_ops import fuse_decode_ops
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
-from sidecar.runner.batch_caches import build_caches, exact_batches
+from sidecar.runner.batch_caches import build_caches, exact_batches, read_bounded, read_limit
 from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
@@ -161,6 +161,9 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.free()
 
+    def read_limit(self) -> int:
+        return read_limit(self.num_blocks * self.pool.block_size if self.pool else 0, self.max_model_len)
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks if self.pool else 0
@@ -259,6 +262,8 @@ class ModelRunner:
             batches = exact_batches(rows, decode + prefill, self.caches)
         else:
             batches = [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]
+        limit = self.read_limit()
+        batches = [b for group in batches for b in read_bounded(rows, group, limit)]
         stores: list = []  # recurrent states are written back once every batch of the step is built
         for group in batches:
             if group:
