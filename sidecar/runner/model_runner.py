@@ -263,11 +263,13 @@ class ModelRunner:
         else:
             batches = [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]
         limit = self.read_limit()
-        batches = [b for group in batches for b in read_bounded(rows, group, limit)]
         stores: list = []  # recurrent states are written back once every batch of the step is built
-        for group in batches:
-            if group:
-                self._forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
+        for parts in [read_bounded(rows, group, limit) for group in batches]:
+            for group in parts:
+                if group:
+                    self._forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
+                    if len(parts) > 1:  # one part at a time: no two parts' reads held at once
+                        mx.eval([last[i] for i in group])
         for store in stores:
             store()
         return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
