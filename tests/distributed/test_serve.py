@@ -3,6 +3,7 @@ sidecar with exactly the single-rank tokens (ring backend, loopback)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,8 +30,28 @@ def run(execute) -> dict[str, list[int]]:
     return d.run(8, chunk=16)
 
 
+def _free_run(n: int, avoid: int) -> int:
+    """A port p with p .. p+n-1 all free and none of them `avoid`: mlx.launch --starting-port gives
+    the ranks consecutive ports (free_port's alone made rank 1's port the server's in one CI run)."""
+    import socket
+
+    while True:
+        base = free_port()
+        if avoid in range(base, base + n) or base + n > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in range(base, base + n):
+                    s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+
+
 def test_one_mlx_launch_command_serves_one_model(home: str, make_worker, tmp_path: Path) -> None:
-    port, ring = free_port(), free_port()
+    port = free_port()
+    ring = _free_run(4, avoid=port)
     launcher = Path(sys.executable).parent / "mlx.launch"
     log = open(tmp_path / "launch.log", "wb")
     proc = subprocess.Popen(
