@@ -93,6 +93,7 @@ class GroupWorker(MLXWorker):
         runner = self.runner
         assert runner is not None
         runner.decode_ahead = False
+        runner.compiled_decode = None  # (its traces would hold the unsharded layers' collectives-free graph)
         _forward_one_at_a_time(runner, self.in_flight)
         cls = LeaderSampler if self.channel.leader else FollowerSampler
         runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]

@@ -26,6 +26,7 @@ from sidecar.runner.fused_ops import fuse_decode_ops
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches, read_bounded, read_limit
+from sidecar.runner.decode_compiled import CompiledDecode, serves
 from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
@@ -82,6 +83,7 @@ class ModelRunner:
         fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
         self._selection = select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
+        self.compiled_decode = self._compile_decode(model)
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
         self._ahead: _Ahead | None = None
@@ -108,12 +110,17 @@ class ModelRunner:
         fuse_decode_ops(model)
         self._selection = select_before_norm(model)
         self.lora.attach(model)
+        self.compiled_decode = self._compile_decode(model)
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
         self._ahead = self._dispatch = None
         self.model = self.lora.model = None  # type: ignore[assignment]
-        self._selection = None
+        self._selection = self.compiled_decode = None
+
+    def _compile_decode(self, model: nn.Module) -> CompiledDecode | None:
+        return CompiledDecode(model, self._selection, self.specs, self.vocab_size) if serves(
+            model, self.specs, self.groups) else None
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
@@ -341,6 +348,11 @@ class ModelRunner:
         assert pool is not None
         lengths = [len(r.token_ids) for r in rows]
         L = max(lengths)
+        if L == 1 and len(rows) == 1 and self.compiled_decode is not None and not self.lora.adapters:
+            compiled = self.compiled_decode(pool, rows[0], tokens)
+            if compiled is not None:
+                last[where[0]] = compiled
+                return
         if tokens is None:
             ids = np.zeros((len(rows), L), np.int32)
             for b, r in enumerate(rows):

@@ -51,6 +51,10 @@ def _rotate(dims: int, traditional: bool) -> Callable[[mx.array, mx.array, mx.ar
     return mx.compile(rotate)
 
 
+def forget() -> None:
+    _memo.clear()
+
+
 def shared_rope(x: mx.array, offset: mx.array, key: tuple, rope: Callable[[mx.array], mx.array]) -> mx.array:
     """x [B, H, 1, D] rotated by offset [B] (or [1]); `key` names the RoPE (dims, traditional, base,
     scale, frequencies) and `rope(probe)` applies it. Shares cos/sin with the step's other calls."""
