@@ -22,12 +22,17 @@ longer idles while the reply is written and travels and the scheduler plans, nor
 builds the next forward's tape. Shorter steps (a tiny model) keep the dispatch after the reply,
 where it overlaps the round trip. On Metal async_eval returns at once, and the after-reply
 dispatch leaves little to hide.
+
+After a step shorter than DEFER_MAX_SECONDS (less than a round trip: its forward computes within
+the round trip wherever it starts), the hook builds the forward too (`start(defer=True)`): the
+reply leaves without waiting for the graph to be built, and the next forward is as early as the
+device could use it anyway. A next step that comes before the hook ran computes its rows itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 
@@ -47,8 +52,15 @@ class _Ahead:
     before writing it itself (a partial block is never prefix-cached), so a miss is harmless."""
 
     rows: dict[str, tuple[int, int, tuple[int, ...], int]]  # req_id -> (position, token, blocks, index)
-    logits: mx.array  # [rows, vocab]
+    logits: mx.array | None  # [rows, vocab]; None until `build` runs (after the reply)
     crossing: boundary.Crossing | None = None  # the row that wrote into the scratch block
+    build: Callable[[], tuple[mx.array, boundary.Crossing | None]] | None = None
+
+    def built(self) -> None:
+        """Build the forward a short step left for after its reply (`start(defer=True)`)."""
+        if self.build is not None:
+            build, self.build = self.build, None
+            self.logits, self.crossing = build()
 
 
 def blocks_key(row: Row, n: int) -> tuple:
@@ -63,12 +75,16 @@ def plain_greedy(row: Row) -> bool:
             and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)
 
 
+Started = tuple[list[int], "mx.array | None", "boundary.Crossing | None", "Callable[[], tuple[mx.array, boundary.Crossing | None]] | None"]
+
+
 def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str] | frozenset[str] = frozenset(),
-          at: list[int] | None = None) -> tuple[list[int], mx.array, boundary.Crossing | None] | None:
+          at: list[int] | None = None, defer: bool = False) -> Started | None:
     """Queue the forward of the likely next decode step on this step's tokens [rows], which may
     still be lazy: then it follows the sampling without a gap, as mlx-lm's generate loop does.
-    Returns the rows it covers and its logits. `at`: each row's next position (r.end, unless it
-    verified drafts: the position after its accepted ones, spec_decode.py)."""
+    Returns the rows it covers, its logits and crossing, or with `defer` none of these yet but
+    the function that builds them (after the reply). `at`: each row's next position (r.end,
+    unless it verified drafts: the position after its accepted ones, spec_decode.py)."""
     bs = runner.pool.block_size  # type: ignore[union-attr]
     at = at or [r.end for r in rows]
     # Rows that got new drafts (their next step is not a plain decode) are left out.
@@ -81,14 +97,21 @@ def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str]
         return None  # (one batch only: past the read limit the next step splits its rows itself)
     nxt = [Row(rows[i].state, at[i], [0], boundary.table(runner.pool, rows[i]) if i == cross else rows[i].block_ids,  # type: ignore[arg-type]
                True, other_block_ids=rows[i].other_block_ids) for i in idx]
-    last: list[mx.array | None] = [None] * len(nxt)
     nxt_tokens = tokens[:, None] if len(idx) == len(rows) else tokens[mx.array(idx, dtype=mx.int32)][:, None]
-    runner._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
-    logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
-    crossing = None if cross is None else boundary.save(runner.pool, rows[cross].state.req_id)  # type: ignore[arg-type]
-    todo = [logits, *runner.pool.arrays(), *(crossing.kv if crossing else [])]  # type: ignore[union-attr]
-    runner._dispatch = todo  # dispatched once the step's tokens are known (ModelRunner.after_reply)
-    return idx, logits, crossing
+    cross_id = None if cross is None else rows[cross].state.req_id
+
+    def build() -> tuple[mx.array, boundary.Crossing | None]:
+        last: list[mx.array | None] = [None] * len(nxt)
+        runner._forward(nxt, list(range(len(nxt))), last, {}, tokens=nxt_tokens)
+        logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)  # type: ignore[arg-type]
+        crossing = None if cross_id is None else boundary.save(runner.pool, cross_id)  # type: ignore[arg-type]
+        runner._dispatch = [logits, *runner.pool.arrays(), *(crossing.kv if crossing else [])]  # type: ignore[union-attr]
+        return logits, crossing
+
+    if defer:
+        return idx, None, None, build
+    logits, crossing = build()  # dispatched once the step's tokens are known (ModelRunner.after_reply)
+    return idx, logits, crossing, None
 
 
 # After a step at least this long (its own time), the ahead forward is dispatched before the reply.
@@ -101,6 +124,15 @@ def before_reply(runner: ModelRunner) -> bool:
     return runner.step_seconds >= EARLY_MIN_SECONDS and mx.default_device() == mx.cpu
 
 
+# After a step shorter than this (its own time), the after-reply hook also builds the forward.
+DEFER_MAX_SECONDS = 0.001
+
+
+def defer_build(runner: ModelRunner) -> bool:
+    """Whether the forward queued ahead is built after the reply too (the hook runs, the step is short)."""
+    return runner.dispatch_after_reply and runner.step_seconds < DEFER_MAX_SECONDS and not before_reply(runner)
+
+
 def dispatch_early(runner: ModelRunner, hidden: mx.array | None) -> None:
     """After a long step, dispatch the forward `start` built while the step's LM head computes.
     `hidden`: the input of the final norm of the step's last forward (selection.py); once it is
@@ -111,18 +143,18 @@ def dispatch_early(runner: ModelRunner, hidden: mx.array | None) -> None:
         runner._dispatch_unless_hooked(True)
 
 
-def record(rows: list[Row], started: tuple[list[int], mx.array, boundary.Crossing | None], token_ids: list[int], block_size: int,
+def record(rows: list[Row], started: Started, token_ids: list[int], block_size: int,
            at: list[int] | None = None) -> _Ahead:
     """The queued forward, keyed by what the next step must match to use it (`at`: as for start)."""
-    idx, logits, crossing = started
+    idx, logits, crossing, build = started
     at = at or [r.end for r in rows]
     return _Ahead({rows[i].state.req_id: (at[i], int(token_ids[i]), blocks_key(rows[i], at[i] // block_size + 1), j)
-                   for j, i in enumerate(idx)}, logits, crossing)
+                   for j, i in enumerate(idx)}, logits, crossing, build)
 
 
 def take(runner: ModelRunner, ahead: _Ahead | None, rows: list[Row], decode: list[int], last: list) -> list[int]:
     """Fill `last` for the decode rows the ahead forward computed; returns the rest."""
-    if ahead is None:
+    if ahead is None or ahead.logits is None:
         return decode
     bs = runner.pool.block_size  # type: ignore[union-attr]
     rest = []

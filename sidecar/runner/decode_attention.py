@@ -11,8 +11,8 @@ The arithmetic is the fallback's (scale times q, the same mask rule, precise sof
 the rows into one matmul may round the dot products differently in the last bit (within 1e-6;
 greedy tokens equal mlx-lm's: tests/runner/test_decode_attention.py).
 
-Only one-position calls over the paged cache with a per-row mask (or none) take this path, and
-not a quantised KV cache; every other call (prefill, other caches, other families) is the
+Only one-position calls over the paged cache (or inside the compiled decode forward,
+decode_compiled.py) with a per-row mask (or none) take this path, and not a quantised KV cache; every other call (prefill, other caches, other families) is the
 module's own code.
 """
 
@@ -23,12 +23,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from sidecar.runner.decode_compiled import TraceCache
 from sidecar.runner.kv_cache import PagedCache
+
+_CACHES = (PagedCache, TraceCache)  # (not QuantizedPagedCache, a subclass)
 
 
 def _decode_call(self: Any, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
     B, L, _ = x.shape
-    if (L != 1 or type(cache) is not PagedCache or hasattr(cache, "bits") or isinstance(mask, str)
+    if (L != 1 or type(cache) not in _CACHES or hasattr(cache, "bits") or isinstance(mask, str)
             or (mask is not None and (mask.ndim != 4 or mask.shape[1] != 1))):
         return None
     offset = cache.offset

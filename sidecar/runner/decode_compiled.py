@@ -34,7 +34,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from sidecar.runner import shared_rope
-from sidecar.runner.decode_attention import ATTENTION_SWAPS
 from sidecar.runner.kv_spec import ATTENTION, LayerSpec
 from sidecar.runner.layouts import _is_run
 from sidecar.runner.requests import Row
@@ -74,9 +73,17 @@ class StepArrays:
         self.valid = (mx.arange(keys, dtype=mx.int32) <= pos)[None, None, :]
 
 
+def compiled_decode(model: nn.Module, selection: Any, specs: list[LayerSpec], groups: list,
+                    vocab_size: int) -> CompiledDecode | None:
+    """The model's compiled decode forward, or None where its decode rows cannot take one."""
+    return CompiledDecode(model, selection, specs, vocab_size) if serves(model, specs, groups) else None
+
+
 def serves(model: nn.Module, specs: list[LayerSpec], groups: list) -> bool:
     """Whether this model's decode rows can take the compiled forward at all (its attention swapped
     by fused_ops.fuse_decode_ops: the CPU backend, whose compiler works)."""
+    from sidecar.runner.decode_attention import ATTENTION_SWAPS
+
     swapped = set(ATTENTION_SWAPS.values())
     attention = [m for _, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     return (mx.default_device() == mx.cpu and len(groups) == 1

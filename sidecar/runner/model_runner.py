@@ -26,7 +26,7 @@ from sidecar.runner.fused_ops import fuse_decode_ops
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches, read_bounded, read_limit
-from sidecar.runner.decode_compiled import CompiledDecode, serves
+from sidecar.runner.decode_compiled import compiled_decode
 from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
@@ -83,7 +83,7 @@ class ModelRunner:
         fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
         self._selection = select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
-        self.compiled_decode = self._compile_decode(model)
+        self.compiled_decode = compiled_decode(model, self._selection, self.specs, self.groups, self.vocab_size)
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
         self._ahead: _Ahead | None = None
@@ -110,17 +110,13 @@ class ModelRunner:
         fuse_decode_ops(model)
         self._selection = select_before_norm(model)
         self.lora.attach(model)
-        self.compiled_decode = self._compile_decode(model)
+        self.compiled_decode = compiled_decode(model, self._selection, self.specs, self.groups, self.vocab_size)
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
         self._ahead = self._dispatch = None
         self.model = self.lora.model = None  # type: ignore[assignment]
         self._selection = self.compiled_decode = None
-
-    def _compile_decode(self, model: nn.Module) -> CompiledDecode | None:
-        return CompiledDecode(model, self._selection, self.specs, self.vocab_size) if serves(
-            model, self.specs, self.groups) else None
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
@@ -131,6 +127,12 @@ class ModelRunner:
         switches the runner to leaving that dispatch to it. Without a caller the forward is
         dispatched as the step returns; one left undispatched is computed by the step that uses it."""
         self.dispatch_after_reply = True
+        if self._ahead is not None and self._ahead.build is not None:  # (a short step's: ahead.defer_build)
+            try:
+                self._ahead.built()
+            except BaseException:
+                self._ahead = self._dispatch = None
+                raise
         todo, self._dispatch = self._dispatch, None
         if todo:
             try:
@@ -301,7 +303,8 @@ class ModelRunner:
             # Sample lazily and queue the next step's forward behind it before waiting.
             lazy = True
             tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
-            if self.dispatch_after_reply:
+            defer = lookahead.defer_build(self)  # a short step: the hook builds it after the reply too
+            if self.dispatch_after_reply and not defer:
                 # The forward this step uses was dispatched after the last reply and is still
                 # computing its last ops (the LM head): build the next one's graph meanwhile, not
                 # after queueing the tokens (async_eval would first wait for that tail). The pool's
@@ -313,7 +316,7 @@ class ModelRunner:
                 lookahead.dispatch_early(self, hidden)
             else:
                 mx.async_eval(tokens, nans, self.pool.arrays())
-                started = lookahead.start(self, rows, tokens)
+                started = lookahead.start(self, rows, tokens, defer=defer)
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
         elif grammar is None and all(lookahead.plain_greedy(r) for r in rows):  # argmax is the whole sampler
             tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)

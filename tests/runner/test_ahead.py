@@ -89,3 +89,37 @@ def test_after_a_long_step_the_ahead_forward_is_dispatched_before_the_reply(make
         assert d.reqs["a"].out[:20] == want, threshold
         assert w.runner.ahead_hits > 10 and before == after
         assert early >= 15 if threshold == 0.0 else early == 0
+
+
+def test_after_a_short_step_the_hook_also_builds_the_forward(make_worker, oracle_model, monkeypatch) -> None:
+    """After a step shorter than DEFER_MAX_SECONDS (here: any step) the step leaves the ahead
+    forward unbuilt and the hook builds and dispatches it: mlx-lm's tokens across block boundaries,
+    every decode computed ahead. A step that comes before the hook computes its rows itself."""
+    from sidecar.runner import ahead
+
+    prompt = [5, 9, 13, 2, 7]
+    want, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 40)
+    for threshold in (float("inf"), 0.0):  # (0: the control, built in the step)
+        monkeypatch.setattr(ahead, "DEFER_MAX_SECONDS", threshold)
+        w = make_worker(num_blocks=32)
+        w.after_reply()
+        d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+        d.add("a", prompt, {"temperature": 0.0, "max_tokens": 50})
+        unbuilt = 0
+        while len(d.reqs["a"].out) < 40:
+            d.step()
+            unbuilt += w.runner._ahead is not None and w.runner._ahead.logits is None and w.runner._dispatch is None
+            w.after_reply()
+            assert w.runner._ahead is None or w.runner._ahead.logits is not None
+        assert d.reqs["a"].out[:40] == want, threshold
+        assert w.runner.ahead_hits >= 38
+        assert unbuilt >= 38 if threshold else unbuilt == 0
+    # No hook after a step: the next one finds the forward unbuilt and computes the row itself.
+    monkeypatch.setattr(ahead, "DEFER_MAX_SECONDS", float("inf"))
+    w = make_worker(num_blocks=32)
+    w.after_reply()
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", prompt, {"temperature": 0.0, "max_tokens": 50})
+    while len(d.reqs["a"].out) < 12:
+        d.step()
+    assert d.reqs["a"].out[:12] == want[:12] and w.runner.ahead_hits == 0
