@@ -75,7 +75,9 @@ def plain_greedy(row: Row) -> bool:
             and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)
 
 
-Started = tuple[list[int], "mx.array | None", "boundary.Crossing | None", "Callable[[], tuple[mx.array, boundary.Crossing | None]] | None"]
+# (rows, logits, crossing, or none of these yet but the function that builds them)
+Started = tuple[list[int], mx.array | None, boundary.Crossing | None,
+                Callable[[], tuple[mx.array, boundary.Crossing | None]] | None]
 
 
 def start(runner: ModelRunner, rows: list[Row], tokens: mx.array, skip: set[str] | frozenset[str] = frozenset(),
@@ -130,7 +132,8 @@ DEFER_MAX_SECONDS = 0.001
 
 def defer_build(runner: ModelRunner) -> bool:
     """Whether the forward queued ahead is built after the reply too (the hook runs, the step is short)."""
-    return runner.dispatch_after_reply and runner.step_seconds < DEFER_MAX_SECONDS and not before_reply(runner)
+    return (runner.dispatch_after_reply and 0.0 < runner.step_seconds < DEFER_MAX_SECONDS
+            and not before_reply(runner))
 
 
 def dispatch_early(runner: ModelRunner, hidden: mx.array | None) -> None:

@@ -79,7 +79,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
-        self.step_seconds = 0.0  # the last finished step's own time (ahead.before_reply)
+        self.step_seconds = 0.0  # the own time of the last finished step with rows (0: none yet; ahead.py)
         fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
         self._selection = select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
@@ -228,7 +228,7 @@ class ModelRunner:
         except BaseException:
             restore()
             raise
-        self.last_stats.seconds = self.step_seconds = time.perf_counter() - t0
+        self._timed(time.perf_counter() - t0, plan.rows)
         self._dispatch_unless_hooked(lookahead.before_reply(self))
         return result
 
@@ -248,9 +248,15 @@ class ModelRunner:
         except BaseException:
             p.restore()
             raise
-        self.last_stats.seconds = self.step_seconds = time.perf_counter() - p.started
+        self._timed(time.perf_counter() - p.started, p.rows)
         self._dispatch_unless_hooked(lookahead.before_reply(self))
         return result
+
+    def _timed(self, seconds: float, rows: list[Row]) -> None:
+        """The step's own time; ahead.py's modes go by the last step that ran rows, not an empty one."""
+        self.last_stats.seconds = seconds
+        if rows:
+            self.step_seconds = seconds
 
     def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
              propose: bool = False) -> ModelRunnerOutput:
