@@ -93,7 +93,6 @@ class GroupWorker(MLXWorker):
         runner = self.runner
         assert runner is not None
         runner.decode_ahead = False
-        runner.compiled_decode = None  # (its traces would hold the unsharded layers' collectives-free graph)
         _forward_one_at_a_time(runner, self.in_flight)
         cls = LeaderSampler if self.channel.leader else FollowerSampler
         runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]
@@ -140,6 +139,7 @@ class GroupWorker(MLXWorker):
             runner.caches = dataclasses.replace(caches, specs=local, structure=list(range(len(local))),
                                                 templates=templates)
             runner.set_groups(runner.caches.groups())
+        runner.compiled_decode = None  # a rank's layers run op by op, their collectives in step order
         log.info("rank %d/%d: %s parallel, layers %s, %d weight bytes", self.rank, n, self.mode,
                  self.layer_range, self.weights_bytes)
 

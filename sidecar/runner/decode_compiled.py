@@ -28,6 +28,7 @@ and drops it with the weights (sleep level 2).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -39,6 +40,9 @@ from sidecar.runner.layouts import _is_run
 from sidecar.runner.requests import Row
 
 log = logging.getLogger(__name__)
+
+# MLX_SIDECAR_COMPILED_DECODE=0 in the server's environment turns the path off (the modules decode every row).
+enabled = os.environ.get("MLX_SIDECAR_COMPILED_DECODE", "1") != "0"
 
 GRAIN = 64  # keys read: the context rounded up to a multiple of this (one trace per size)
 WINDOW_BYTES = 256 << 10  # the most K/V one step's reads copy, over all layers
@@ -86,7 +90,7 @@ def serves(model: nn.Module, specs: list[LayerSpec], groups: list) -> bool:
 
     swapped = set(ATTENTION_SWAPS.values())
     attention = [m for _, m in model.named_modules() if type(m).__name__.endswith("Attention")]
-    return (mx.default_device() == mx.cpu and len(groups) == 1
+    return (enabled and mx.default_device() == mx.cpu and len(groups) == 1
             and bool(attention) and all(type(m) in swapped for m in attention)
             and all(s.kind == ATTENTION and not s.sliding_window and not s.attention_chunk_size and not s.kv_bits
                     for s in specs))

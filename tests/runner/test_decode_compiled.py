@@ -157,3 +157,11 @@ def test_sleep_drops_the_traces_and_wake_up_rebuilds_them(make_worker, oracle_mo
     while len(got.out) < 12:
         d.step()
     assert got.out[:12] == want and taken[0] >= 10
+
+
+def test_it_can_be_turned_off(make_worker, monkeypatch) -> None:
+    """MLX_SIDECAR_COMPILED_DECODE=0 (read at import as `enabled`): no compiled forward at all."""
+    monkeypatch.setattr(decode_compiled, "enabled", False)
+    assert make_worker(num_blocks=8).runner.compiled_decode is None
+    monkeypatch.setattr(decode_compiled, "enabled", True)
+    assert make_worker(num_blocks=8).runner.compiled_decode is not None
