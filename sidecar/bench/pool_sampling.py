@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sidecar.bench.scenarios import Bench, median, mixed_sampling, record_device_idle
+from sidecar.bench.scenarios import Bench, median, mixed_sampling, record_device_idle, record_round_trip_idle
 from sidecar.bench.sides import SidecarSide, requests_for
 
 
@@ -79,6 +79,7 @@ def sampling(b: Bench) -> None:
     # The device's idle time per decode step, and the decode-ahead's use (rows), per kind.
     idle: dict[str, list] = {"greedy": [0.0, 0], "mixed": [0.0, 0]}
     ahead: dict[str, list[int]] = {"greedy": [0, 0], "mixed": [0, 0]}
+    rt0 = w.device_idle_round_trip(n)
     for i in range(p.sampling_repeats):
         for kind in (("greedy", "mixed") if i % 2 == 0 else ("mixed", "greedy")):
             params = mixed_sampling(n) if kind == "mixed" else None
@@ -104,6 +105,7 @@ def sampling(b: Bench) -> None:
     for kind in ("greedy", "mixed"):
         if idle[kind][1]:
             b.results[f"device_idle_ms_per_step_b{n}_{kind}"] = idle[kind][0] / idle[kind][1] * 1e3
+    record_round_trip_idle(b, f"b{n}", rt0, w.device_idle_round_trip(n))
     total = (idle["greedy"][0] + idle["mixed"][0], idle["greedy"][1] + idle["mixed"][1])
     record_device_idle(b, f"b{n}", (0.0, 0) if total[1] else None, total if total[1] else None,
                        median(steps["greedy"] + steps["mixed"]) / 1e3)

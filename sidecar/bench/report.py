@@ -34,6 +34,8 @@ GOALS = (
     Goal("device_idle_ms_per_step", "  device idle per decode step (worst batch)", "", math.nan,
          "b1 {device_idle_ms_per_step_b1:.3f} / b64 {device_idle_ms_per_step_b64:.3f} ms "
          "({device_idle_share_b1:.1%} / {device_idle_share_b64:.1%} of a step)", "-"),
+    Goal("device_idle_rt_ms_per_step_b1", "    of it in the round trip (sampled steps)", "", math.nan,
+         "b1 {device_idle_rt_ms_per_step_b1:.3f} / b64 {device_idle_rt_ms_per_step_b64:.3f} ms", "-"),
     Goal("rpc_null_ms_p50", "no-op rpc p50, back to back", "", math.nan,
          "after 30 ms idle: {rpc_null_after_idle_ms_p50:.3f} ms", "-"),
     Goal("msgpack_256_ms", "msgpack 256-req step enc+dec", "", math.nan,

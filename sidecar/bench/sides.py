@@ -176,6 +176,15 @@ class TimedWorker(RemoteWorker):
         got = totals.get(str(rows)) or {}
         return float(got.get("seconds", 0.0)), int(got.get("steps", 0))
 
+    def device_idle_round_trip(self, rows: int) -> tuple[float, int] | None:
+        """Of that idle, the seconds in the round trips before the steps the server sampled, and how
+        many (/info `device_idle` `round_trip_*`)."""
+        totals = self.info().get("device_idle")
+        if not isinstance(totals, dict):
+            return None
+        got = totals.get(str(rows)) or {}
+        return float(got.get("round_trip_seconds", 0.0)), int(got.get("round_trip_steps", 0))
+
     def ahead_counts(self) -> tuple[int, int] | None:
         """The server runner's decode-ahead (hits, misses), rows counted (/info `decode_ahead`)."""
         got = self.info().get("decode_ahead")

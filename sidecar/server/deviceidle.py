@@ -10,6 +10,12 @@ its batch size's total. `MLXThread.idle_seconds` is only a proxy: the MLX thread
 the device computes, and the device can idle while the MLX thread builds a graph or waits to
 dispatch. Off the CPU backend (Metal, CUDA) or without /proc nothing is measured (`totals` None).
 
+Every START_EVERY-th call also reads the clocks as it starts on the MLX thread (`started`), which
+splits that step's period in two: the round trip (previous reply handed over -> this call starts:
+the reply's write and travel, the scheduler, the call's parse and queueing) and the step itself.
+The round trip's idle is what the RPC overhead leaves the device idle; sampled, as the reading
+(~10 us) sits on the call's path.
+
 (The thread's schedstat run time alone would not do: it is updated at scheduler ticks, 4 ms here.)
 """
 
@@ -19,6 +25,7 @@ import os
 import time
 
 _TASKS = "/proc/self/task"
+START_EVERY = 8
 
 
 def _tids() -> set[int]:
@@ -66,7 +73,9 @@ class DeviceIdle:
                 pass
         self.tids = list(tids)
         self._last: tuple[float, float] | None = None  # (wall, busy) at the previous step's reply
-        self._totals: dict[int, tuple[float, int]] = {}
+        self._start: tuple[float, float] | None = None  # (wall, busy) as this call started (sampled)
+        self._calls = 0
+        self._totals: dict[int, tuple[float, int, float, int]] = {}  # rows -> idle, steps, of it in round trips, those
 
     @property
     def enabled(self) -> bool:
@@ -81,10 +90,20 @@ class DeviceIdle:
             total += int(os.pread(fd, 64, 0).split()[1]) / 1e9
         return total
 
+    def started(self) -> None:
+        """A call starts on the MLX thread (every START_EVERY-th reads the clocks)."""
+        self._calls += 1
+        if self._clocks and self._calls % START_EVERY == 0:
+            try:
+                self._start = (time.perf_counter(), self.busy())
+            except (OSError, ValueError, IndexError):
+                self._start = None
+
     def mark(self, decode_rows: int | None, step: bool) -> None:
         """A call's reply was handed over. `step`: it was an execute_model/sample_tokens call (the
         next step's period starts here); `decode_rows`: it was a decode step of that many rows (its
         period, since the previous step's reply, is counted)."""
+        start, self._start = self._start, None
         if not self._clocks:
             return
         if not step:
@@ -100,14 +119,18 @@ class DeviceIdle:
             # Not clamped per step: a runnable wait still going on at a reading is counted at the
             # next one, so that step's idle reads high by it and the next one's low (below zero).
             idle = (now - last[0]) - (busy - last[1])
-            seconds, steps = self._totals.get(decode_rows, (0.0, 0))
+            seconds, steps, rt, rt_steps = self._totals.get(decode_rows, (0.0, 0, 0.0, 0))
+            if start is not None and start[0] > last[0]:
+                rt, rt_steps = rt + (start[0] - last[0]) - (start[1] - last[1]), rt_steps + 1
             totals = dict(self._totals)
-            totals[decode_rows] = (seconds + idle, steps + 1)
+            totals[decode_rows] = (seconds + idle, steps + 1, rt, rt_steps)
             self._totals = totals
 
     @property
     def totals(self) -> dict[str, dict[str, float]] | None:
-        """{rows: {"seconds": idle, "steps": n}} for /info; None when not measurable here."""
+        """{rows: {"seconds": idle, "steps": n, "round_trip_seconds": of it in the round trips of
+        "round_trip_steps" (sampled) steps}} for /info; None when not measurable here."""
         if not self._clocks:
             return None
-        return {str(k): {"seconds": max(0.0, s), "steps": n} for k, (s, n) in sorted(self._totals.items())}
+        return {str(k): {"seconds": max(0.0, s), "steps": n, "round_trip_seconds": max(0.0, rt),
+                         "round_trip_steps": rn} for k, (s, n, rt, rn) in sorted(self._totals.items())}

@@ -154,6 +154,7 @@ class MLXThread:
             self.carried = max(0.0, d1 - max(d0, job.queued_at))
             started = time.perf_counter()
             self.step_kind = (False, None)
+            self.device.started()
             try:
                 result, error = job.fn(), None
             except BaseException as e:  # delivered to the awaiting handler, never kills the thread

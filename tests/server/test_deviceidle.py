@@ -89,7 +89,39 @@ def test_a_wait_still_going_on_at_a_reading_is_counted_at_the_next(monkeypatch) 
     d.mark(None, True)
     for _ in range(3):
         d.mark(1, True)
-    assert d.totals["1"] == {"seconds": 1.0, "steps": 3}  # 1 + (-1) + 1; per-step clamping: 2
+    assert d.totals["1"] == {"seconds": 1.0, "steps": 3, "round_trip_seconds": 0.0,
+                             "round_trip_steps": 0}  # 1 + (-1) + 1; per-step clamping: 2
+
+
+def test_a_sampled_call_start_splits_off_the_round_trip(monkeypatch) -> None:
+    """A step's period read at its call's start too: the idle before it (the round trip) apart from
+    the idle in it; only every START_EVERY-th call is read."""
+    from sidecar.server import deviceidle
+
+    monkeypatch.setattr(deviceidle, "START_EVERY", 2)
+    w = _Worker()
+    try:
+        d = DeviceIdle([w.thread.native_id])
+        d.mark(None, True)
+        for _ in range(2):  # the 1st call is not read, the 2nd is
+            w.do("sleep", 0.15)  # the device idles in the round trip ...
+            d.started()
+            w.do("busy", 0.15)  # ... and computes in the step
+            d.mark(1, True)
+        got = d.totals["1"]
+        assert got["steps"] == 2 and got["round_trip_steps"] == 1
+        assert 0.1 < got["round_trip_seconds"] < 0.3 and 0.2 < got["seconds"] < 0.5
+        for _ in range(2):  # the converse: busy through the round trip, idle in the step
+            w.do("busy", 0.15)
+            d.started()
+            w.do("sleep", 0.15)
+            d.mark(1, True)
+        after = d.totals["1"]
+        assert after["round_trip_steps"] == 2 and after["round_trip_seconds"] - got["round_trip_seconds"] < 0.05
+        assert after["seconds"] - got["seconds"] > 0.2
+    finally:
+        w.todo.append(("stop", 0))
+        w.go.set()
 
 
 def test_nothing_is_measured_without_threads() -> None:
