@@ -3,8 +3,9 @@
 On a small model the forward of one decode token is cheap and building it is not: ~100 graph
 nodes made op by op in Python (~0.15 ms on this CPU, about a third of builtin:tiny's step), every
 step again. Compiled (`mx.compile`), the graph is traced once per read size and each step only
-replays it, with the step's numbers (token, position, write slot, read start, context length) as
-array inputs and the pool's K/V arrays as inputs and outputs.
+replays it (a new read size's first call, its trace, costs ~1 ms), with the step's numbers
+(token, position, write slot, read start) as array inputs and the pool's K/V arrays as inputs
+and outputs.
 
 What changes inside is only how K/V are addressed (`TraceCache`): the new K/V are written at an
 array slot (a dynamic slice update: MLX still donates the pool buffer, so it is written in place)
