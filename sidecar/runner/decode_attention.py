@@ -12,8 +12,8 @@ the rows into one matmul may round the dot products differently in the last bit 
 greedy tokens equal mlx-lm's: tests/runner/test_decode_attention.py).
 
 Only one-position calls over the paged cache (or inside the compiled decode forward,
-decode_compiled.py) with a per-row mask (or none) take this path, and not a quantised KV cache; every other call (prefill, other caches, other families) is the
-module's own code.
+decode_compiled.py) with a per-row mask (or none) take this path, and not a quantised KV cache;
+every other call (prefill, other caches, other families) is the module's own code.
 """
 
 from __future__ import annotations
