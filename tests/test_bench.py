@@ -49,8 +49,13 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     # The table: a header and one row per scenario, each with a verdict column.
     for word in ("scenario", "sidecar", "mlx-lm", "ratio", "goal", "result"):
         assert word in out
+    # The `_bundled` speculative figures exist only where an OpenBLAS was there to compare with.
+    from sidecar.bench.spec import _fast_blas_env
+
+    assert doc["spec_openblas_pair"] == (_fast_blas_env() is not None)
+    _check_spec_figures(doc, out)
     for goal in GOALS:
-        assert goal.key in doc or goal.key.startswith("long_ctx_")
+        assert goal.key in doc or goal.key.startswith("long_ctx_") or goal.key.endswith("_bundled")
     # Goals whose figure this profile does not measure (the 4k/16k contexts) show n/a.
     assert out.count("PASS") + out.count("FAIL") == sum(1 for g in GOALS if g.op and doc.get(g.key) is not None)
     assert doc["tiny_single_stream_tokens_match"] == 1.0
@@ -66,6 +71,48 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     assert f"json: {json_path}" in out
     pytest.importorskip("matplotlib")
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+BUNDLED = [g for g in GOALS if g.key.endswith("_bundled")]
+
+
+def _check_spec_figures(doc: dict, out: str) -> None:
+    """The headline speculative figures always; the `_bundled` ones exactly when the OpenBLAS pair
+    ran, and otherwise shown as not measured (n/a) in the table."""
+    for case in ("repetitive", "random"):
+        assert math.isfinite(doc[f"spec_{case}_ratio"]), case
+    assert BUNDLED
+    for g in BUNDLED:
+        row = next(line for line in out.splitlines() if line.startswith(g.title))
+        if doc["spec_openblas_pair"]:
+            assert math.isfinite(doc[g.key]) and "n/a" not in row and "not measured" not in row, (g.key, row)
+        else:
+            assert g.key not in doc and "not measured" in row and "n/a" in row and "nan" not in row, (g.key, row)
+    assert doc["spec_blas_short"] == ("OpenBLAS" if doc["spec_openblas_pair"] else doc["machine"]["blas"]["name"])
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["no-openblas", "openblas-pair"])
+def test_bench_speculative_with_and_without_an_openblas(pair: bool, home: str, tmp_path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """Both states of the machine, whatever this one has installed: the pair's servers preload a
+    real BLAS library (the wheel's own where no OpenBLAS is installed: the code path is the same)."""
+    from sidecar import blas
+    from sidecar.bench import spec
+
+    lib = blas.find_openblas() or blas.bound_library()
+    if pair and lib is None:
+        pytest.skip("no BLAS library file to preload (macOS: Accelerate)")
+    monkeypatch.setattr(spec, "_fast_blas_env", lambda: blas.preload_env({}, lib) if pair else None)
+    monkeypatch.setenv(PROFILE_ENV, "tiny")
+    json_path = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "builtin:tiny", "--home", home, "--only", "speculative",
+               "--json", str(json_path), "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads(json_path.read_text())
+    assert doc["spec_openblas_pair"] is pair
+    _check_spec_figures(doc, out)
 
 
 def test_presets_and_table_without_results(monkeypatch: pytest.MonkeyPatch) -> None:

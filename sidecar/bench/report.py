@@ -124,6 +124,9 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         if key.startswith(("rpc_", "msgpack_", "device_idle_")):
             shown += " ms"
         goal = f"{g.op} {g.target:g}" if g.op else "-"
+        if key not in results:  # a figure this run did not measure (a stage left out, a missing library)
+            out.append((_fmt(g.title, results), "not measured", "-", shown, goal, verdict(g, value) or "-"))
+            continue
         out.append((_fmt(g.title, results), _fmt(g.sidecar, results), _fmt(g.mlx_lm, results), shown, goal,
                     verdict(g, value) or "-"))
     return out

@@ -90,6 +90,8 @@ def speculative(b: Any, make_side: Callable[..., SidecarSide]) -> None:
     b.raw["spec_probe_scores"] = scores
     b.results["spec_repetitive_token"] = best
     env = _fast_blas_env()
+    # Whether the `_bundled` figures exist: only with an OpenBLAS to compare the bundled BLAS with.
+    b.results["spec_openblas_pair"] = env is not None
     if env is None:
         _cases(b, prompts, side, b.sidecar, "")
         b.results["spec_blas"] = blas.label(blas.describe())
