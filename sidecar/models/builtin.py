@@ -7,39 +7,31 @@ ordinary mlx-lm model directory under ``<home>/models/<name>-v<version>``.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib
 import json
-import logging
-import os
-import shutil
-import sys
-import tempfile
-import time
-import zlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
+from sidecar.models import families, gguf
+from sidecar.models.store import (
+    BUILTIN_PREFIX,
+    MARKER,
+    ModelNotFound,
+    ensure_generated,
+    generated_dir,
+    init_tensor,
+    is_complete,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-log = logging.getLogger(__name__)
-
-BUILTIN_PREFIX = "builtin:"
-MARKER = ".complete"  # written last: a directory without it is half-written
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 SEED = 1234
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2": "Qwen2ForCausalLM"}  # transformers names
-
-
-class ModelNotFound(ValueError):
-    """The model name is neither a known built-in nor an mlx-lm model directory."""
 
 
 @dataclass(frozen=True)
@@ -145,24 +137,10 @@ wind, all ships accounted for. Then she closed the book and listened to the wave
 """
 
 
-def cache_home(home: str | None = None) -> Path:
-    """Where built-ins live: ``home``, else $MLX_SIDECAR_HOME, else the platform cache dir."""
-    if home or (home := os.environ.get("MLX_SIDECAR_HOME")):
-        return Path(home).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "mlx-sidecar"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    # The XDG spec says relative values are invalid and must be ignored.
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "mlx-sidecar"
-
-
 def resolve_model(name: str, home: str | None = None) -> Path:
     """A model directory for ``name``: ``builtin:<n>`` (generated on first use) or a local path."""
     if name.startswith(BUILTIN_PREFIX):
         builtin = name[len(BUILTIN_PREFIX) :]
-        from sidecar.models import gguf  # (it builds on this module)
-
         if builtin in gguf.GGUF_MODELS:
             return gguf.ensure_gguf(builtin, home)
         if builtin not in BUILTIN_MODELS:
@@ -185,78 +163,26 @@ def resolve_model(name: str, home: str | None = None) -> Path:
 
 def needs_building(name: str, home: str | None = None) -> bool:
     """True when resolving ``name`` would generate a built-in first (it is not on disk yet)."""
-    from sidecar.models.gguf import GGUF_MODELS
-
     builtin = name.removeprefix(BUILTIN_PREFIX)
-    spec = BUILTIN_MODELS.get(builtin) or GGUF_MODELS.get(builtin)
+    spec = BUILTIN_MODELS.get(builtin) or gguf.GGUF_MODELS.get(builtin)
     if not name.startswith(BUILTIN_PREFIX) or spec is None:
         return False
-    target = cache_home(home) / "models" / f"{builtin}-v{spec.version}"
-    return not (target / MARKER).is_file()
+    return not is_complete(generated_dir(builtin, spec.version, home))
 
 
-def ensure_builtin(name: str, home: str | None = None, *, version: int | None = None,
-                   write: Callable[[str, Path], None] | None = None) -> Path:
-    """Return the complete directory of built-in ``name``, generating it once if needed.
-
-    ``version`` and ``write`` (which fills the temporary directory, marker last) default to the
-    generated built-ins'; the GGUF-converted ones (models/gguf.py) pass their own."""
-    version = BUILTIN_MODELS[name].version if version is None else version
-    write = write or write_builtin
-    models = cache_home(home) / "models"
-    target = models / f"{name}-v{version}"
-    if (target / MARKER).is_file():
-        return target
-    models.mkdir(parents=True, exist_ok=True)
-    with _locked(models / ".lock"):
-        if (target / MARKER).is_file():  # another process generated it while we waited
-            return target
-        # Generators hold the lock, so holding it ourselves, anything half-written is debris of
-        # a crashed one. (mkdtemp suffixes have no "-": ".tmp-tiny-*" must not match tiny-qwen3.)
-        prefix = f".tmp-{name}-"
-        debris = [p for p in models.glob(prefix + "*") if "-" not in p.name.removeprefix(prefix)]
-        for path in [target, *debris]:
-            if path.exists():
-                log.info("removing incomplete built-in model directory %s", path)
-                shutil.rmtree(path, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=models))
-        try:
-            log.info("generating builtin:%s (first use) in %s", name, target)
-            t0 = time.perf_counter()
-            write(name, tmp)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                # Someone made it without our lock (another host sharing the home, a copy by
-                # hand): use theirs.
-                if not (target / MARKER).is_file():
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
-            log.info("generated builtin:%s in %s (%.2fs)", name, target, time.perf_counter() - t0)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def ensure_builtin(name: str, home: str | None = None) -> Path:
+    """Return the complete directory of generated built-in ``name``, generating it once if needed."""
+    return ensure_generated(name, BUILTIN_MODELS[name].version, write_builtin, home)
 
 
 def write_builtin(name: str, dest: Path, seed: int = SEED) -> None:
     """Write the files of built-in ``name`` into the existing directory ``dest``, marker last."""
     files = builtin_files(name)
     for filename, content in files.items():
-        _write_json(dest / filename, content)
+        write_json(dest / filename, content)
     _write_weights(files["config.json"], dest / "model.safetensors", seed)
     marker = {"builtin": name, "version": BUILTIN_MODELS[name].version, "seed": seed}
-    _write_json(dest / MARKER, marker)
+    write_json(dest / MARKER, marker)
 
 
 CHAT_TEMPLATE = (
@@ -354,37 +280,10 @@ def _write_weights(config: dict, path: Path, seed: int) -> None:
     family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = family.Model(family.ModelArgs.from_dict(config))  # lazy: its own init never runs
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    weights = {k: mx.array(_init(k, shape, config, seed)) for k, shape in sorted(shapes.items())}
+    weights = {k: mx.array(init_tensor(k, shape, config, seed)) for k, shape in sorted(shapes.items())}
     model.load_weights(list(weights.items()), strict=True)  # checks names and shapes
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
 
 
-def _init(name: str, shape: tuple[int, ...], config: dict, seed: int) -> np.ndarray:
-    """Deterministic float32 init of one tensor.
-
-    Each tensor has its own numpy stream keyed by (seed, name), so it does not depend on the
-    order or presence of the others, nor on mlx's RNG.
-    """
-    if name.endswith("norm.weight"):
-        return np.ones(shape, np.float32)
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    h = config["hidden_size"]
-    if "embed_tokens" in name or "lm_head" in name:
-        # Logits = RMS-normed hidden (rms 1) @ lm_head: std 2/sqrt(h) gives logits of std ~2,
-        # peaked enough that greedy ties are negligible, far from saturating softmax.
-        std = 2.0 / h**0.5
-    else:
-        std = 1.0 / shape[-1] ** 0.5  # fan-in scaling: each projection keeps activations O(1)
-    out = rng.standard_normal(shape, dtype=np.float32)
-    out *= np.float32(std)
-    return out
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 # Tiny random models of more mlx-lm families (windows, sinks, MLA, recurrent layers).
-from sidecar.models.families import builtin_specs  # noqa: E402
-
-BUILTIN_MODELS.update(builtin_specs(_TINY))
+BUILTIN_MODELS.update(families.builtin_specs(_TINY))

@@ -12,7 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
-from sidecar.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, ModelNotFound, builtin_files, resolve_model
+from sidecar.models.builtin import BUILTIN_MODELS, builtin_files, resolve_model
+from sidecar.models.store import BUILTIN_PREFIX, ModelNotFound
 
 VLLM_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")

@@ -16,6 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sidecar.models.store import init_tensor
+
 _BASE: dict[str, Any] = {
     "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "rms_norm_eps": 1e-5, "layer_norm_eps": 1e-5,
@@ -275,16 +277,14 @@ def _param(name: str, like: Any, config: dict[str, Any], seed: int) -> Any:
     import mlx.core as mx
     import numpy as np
 
-    from sidecar.models.builtin import _init
-
     if not like.shape:  # 0-d parameters (learned activation constants)
         return mx.array(np.float32(0.5))
     if name.endswith(".signs"):  # Hadamard sign vectors: +-1
-        return mx.array(np.sign(_init(name, like.shape, config, seed) + 1e-9).astype(np.float32)).astype(like.dtype)
+        return mx.array(np.sign(init_tensor(name, like.shape, config, seed) + 1e-9).astype(np.float32)).astype(like.dtype)
     if mx.issubdtype(like.dtype, mx.integer):  # packed weight words: uniform bits
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         return mx.array(rng.integers(0, 2**32, like.shape, dtype=np.uint64).astype(np.uint32)).astype(like.dtype)
-    out = _init(name, like.shape, config, seed)
+    out = init_tensor(name, like.shape, config, seed)
     if name.endswith((".scales", ".biases")):  # dequantized weights of O(1 / sqrt(fan-in)) magnitude
         out = out * np.float32(0.05)
     return mx.array(out) if like.dtype == mx.float32 else mx.array(out).astype(like.dtype)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar.models.builtin import MARKER, ModelNotFound, _write_json, ensure_builtin
+from sidecar.models.store import MARKER, ModelNotFound, ensure_generated, write_json
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ def gguf_path(name: str) -> Path:
 def ensure_gguf(name: str, home: str | None = None) -> Path:
     """The converted directory of built-in ``name``, converting it once if needed."""
     source = gguf_path(name)  # fail clearly before taking the lock
-    return ensure_builtin(name, home, version=GGUF_MODELS[name].version,
-                          write=lambda _name, dest: convert_gguf(source, dest, marker={"builtin": name}))
+    return ensure_generated(name, GGUF_MODELS[name].version,
+                            lambda _name, dest: convert_gguf(source, dest, marker={"builtin": name}), home)
 
 
 def convert_gguf(source: Path, dest: Path, *, marker: dict | None = None) -> None:
@@ -104,10 +104,10 @@ def convert_gguf(source: Path, dest: Path, *, marker: dict | None = None) -> Non
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     tokenizer, tokenizer_config, generation = _tokenizer_files(meta, config)
     (dest / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
-    _write_json(dest / "tokenizer_config.json", tokenizer_config)
-    _write_json(dest / "generation_config.json", generation)
-    _write_json(dest / "config.json", config)
-    _write_json(dest / MARKER, {**(marker or {}), "source": source.name})
+    write_json(dest / "tokenizer_config.json", tokenizer_config)
+    write_json(dest / "generation_config.json", generation)
+    write_json(dest / "config.json", config)
+    write_json(dest / MARKER, {**(marker or {}), "source": source.name})
 
 
 def unpermute_rows(w: Any, heads: int) -> Any:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sidecar.models import BUILTIN_MODELS, ModelNotFound, cache_home, resolve_model
-from sidecar.models import builtin
+from sidecar.models import builtin, store
 
 TINY = ["tiny", "tiny-qwen3"]
 
@@ -155,12 +155,12 @@ def test_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cache_home(str(tmp_path / "arg")) == tmp_path / "arg"
     monkeypatch.delenv("MLX_SIDECAR_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(builtin.sys, "platform", "linux")
+    monkeypatch.setattr(store.sys, "platform", "linux")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_home() == tmp_path / "xdg" / "mlx-sidecar"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_home() == tmp_path / "home" / ".cache" / "mlx-sidecar"
-    monkeypatch.setattr(builtin.sys, "platform", "darwin")
+    monkeypatch.setattr(store.sys, "platform", "darwin")
     assert cache_home() == tmp_path / "home" / "Library" / "Caches" / "mlx-sidecar"
     monkeypatch.setenv("MLX_SIDECAR_HOME", str(tmp_path / "env"))
     resolve_model("builtin:tiny")  # no home argument: the environment decides
