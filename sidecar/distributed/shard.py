@@ -139,7 +139,6 @@ class GroupWorker(MLXWorker):
             runner.caches = dataclasses.replace(caches, specs=local, structure=list(range(len(local))),
                                                 templates=templates)
             runner.set_groups(runner.caches.groups())
-        runner.compiled_decode = None  # a rank's layers run op by op, their collectives in step order
         log.info("rank %d/%d: %s parallel, layers %s, %d weight bytes", self.rank, n, self.mode,
                  self.layer_range, self.weights_bytes)
 

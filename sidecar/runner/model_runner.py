@@ -22,11 +22,9 @@ from sidecar.protocol import ModelRunnerOutput, SchedulerOutput
 from sidecar.runner import ahead as lookahead
 from sidecar.runner import prefill_split
 from sidecar.runner.ahead import _Ahead
-from sidecar.runner.fused_ops import fuse_decode_ops
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches, read_bounded, read_limit
-from sidecar.runner.decode_compiled import compiled_decode
 from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
@@ -80,10 +78,8 @@ class ModelRunner:
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
         self.step_seconds = 0.0  # the own time of the last finished step with rows (0: none yet; ahead.py)
-        fuse_decode_ops(model)  # before the final norm's class is swapped for the selecting one
         self._selection = select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
-        self.compiled_decode = compiled_decode(model, self._selection, self.specs, self.groups, self.vocab_size)
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
         self._ahead: _Ahead | None = None
@@ -107,16 +103,14 @@ class ModelRunner:
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
-        fuse_decode_ops(model)
         self._selection = select_before_norm(model)
         self.lora.attach(model)
-        self.compiled_decode = compiled_decode(model, self._selection, self.specs, self.groups, self.vocab_size)
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
         self._ahead = self._dispatch = None
         self.model = self.lora.model = None  # type: ignore[assignment]
-        self._selection = self.compiled_decode = None
+        self._selection = None
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
@@ -357,11 +351,6 @@ class ModelRunner:
         assert pool is not None
         lengths = [len(r.token_ids) for r in rows]
         L = max(lengths)
-        if L == 1 and len(rows) == 1 and self.compiled_decode is not None and not self.lora.adapters:
-            compiled = self.compiled_decode(pool, rows[0], tokens)
-            if compiled is not None:
-                last[where[0]] = compiled
-                return
         if tokens is None:
             ids = np.zeros((len(rows), L), np.int32)
             for b, r in enumerate(rows):

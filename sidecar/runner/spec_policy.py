@@ -3,7 +3,7 @@
 A step verifying j drafts computes j + 1 tokens per row. On a GPU, or on a CPU with an optimised
 BLAS, that costs little more than one decode step; with the reference BLAS the mlx[cpu] Linux
 wheel bundles every matmul row costs the same again, so j drafts cost about j + 1 decode steps and
-cannot pay even when all are accepted (README, "Speculative decoding and the CPU BLAS"). The n-gram
+cannot pay even when all are accepted (docs/performance.md). The n-gram
 proposer measures that cost once on the model (a forward of 1 and of k + 1 tokens, best of 5,
 no cache: the matmuls a verify step adds), counts each request's accepted drafts, and drafts j
 tokens only where the expected tokens per step, 1 + a + .. + a^j at acceptance rate a, beat the
