@@ -24,17 +24,14 @@ install: $(STAMP)
 # (Without them the pool is bounded by the memory the OS can give, sidecar/memory.py: safe, slow.)
 MODEL ?= builtin:smollm2
 SERVE_LIMITS ?= --max-num-batched-tokens 256 --max-num-seqs 8 --max-model-len 4096
-# The CPU BLAS (sidecar/blas.py): an installed OpenBLAS in place of the wheel's reference BLAS on
-# Linux (`auto`; `bundled` keeps the wheel's). `mlx-sidecar serve` alone keeps the bundled one.
-MLX_SIDECAR_BLAS ?= auto
 serve: install
-	MLX_SIDECAR_BLAS=$(MLX_SIDECAR_BLAS) $(VENV)/bin/mlx-sidecar serve --preload --model $(MODEL) $(SERVE_LIMITS) $(ARGS)
+	$(VENV)/bin/mlx-sidecar serve --preload --model $(MODEL) $(SERVE_LIMITS) $(ARGS)
 
 test: install
 	sh scripts/ensure-prometheus.sh
 	$(PY) -m pytest -q -m "not distributed" $(ARGS)
 
-# Scale-out: real 2-rank groups on loopback (ring backend, CPU), ~1 min; see README "Scale-out".
+# Scale-out: real 2-rank groups on loopback (ring backend, CPU), ~1 min; see docs/scale-out.md.
 test-distributed: install
 	$(PY) -m pytest -q -m distributed tests/distributed $(ARGS)
 
@@ -67,7 +64,7 @@ fuzz: install
 # Both sides (mlx-lm in the bench process, the servers it starts) on the same BLAS: the wheel's
 # bundled one by default (BENCH_BLAS=auto: an installed OpenBLAS for every stage). The speculative
 # stage also runs on an OpenBLAS pair of servers (installed if missing, scripts/ensure-openblas.sh;
-# never fails): README "Speculative decoding and the CPU BLAS".
+# never fails): docs/performance.md.
 BENCH_BLAS ?= bundled
 bench: install
 	sh scripts/ensure-openblas.sh

@@ -2,14 +2,14 @@
 
 The mlx[cpu] Linux wheel links netlib's reference BLAS (mlx_cpu.libs/libblas-*.so), whose matmul
 cost grows linearly with the rows: verifying k speculative tokens costs k + 1 decode steps there
-(README, "Speculative decoding and the CPU BLAS"). An OpenBLAS preloaded (LD_PRELOAD) is searched
+(docs/performance.md). An OpenBLAS preloaded (LD_PRELOAD) is searched
 before the wheel's own libraries, so libmlx's `cblas_sgemm` binds to it. The dynamic loader reads
 LD_PRELOAD only when a process starts: `reexec` restarts the command once with it set, and every
 process it starts (the bench's servers) inherits it, so both sides of a comparison share it.
 
 MLX_SIDECAR_BLAS chooses: `auto` (an OpenBLAS installed on the machine, else the bundled BLAS),
-`bundled` (never preload), or the path of a BLAS library. `mlx-sidecar bench` defaults to `auto`,
-`mlx-sidecar serve` to `bundled` (`make serve` sets `auto`). Elsewhere (macOS: Accelerate, Metal)
+`bundled` (never preload, the default), or the path of a BLAS library; read by `mlx-sidecar bench`
+only (a measurement aid: serving never swaps the BLAS). Elsewhere (macOS: Accelerate, Metal)
 nothing is preloaded.
 """
 

@@ -106,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None and args.command in ("serve", "bench"):  # the command line itself, not a caller's argv
+    if argv is None and args.command == "bench":  # the command line itself, not a caller's argv
         from sidecar import blas
 
-        blas.reexec("bundled")  # MLX_SIDECAR_BLAS overrides (bench's speculative stage: bench/spec.py)
+        blas.reexec("bundled")  # MLX_SIDECAR_BLAS overrides; the servers the bench starts inherit it
     if args.command == "serve":
         try:
             cfg = config_from_args(args)
