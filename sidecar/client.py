@@ -71,7 +71,7 @@ class RemoteWorker:
         self.next_step_id = 1
         self.instance_id: str | None = None  # X-Sidecar-Instance of the last reply
         self.resent = 0  # steps resent after a lost reply, for the curious
-        # (no Accept: the reply comes in the request's format, DESIGN.md §4; one header fewer to parse per call)
+        # (no Accept: the reply comes in the request's format, docs/protocol.md; one header fewer to parse per call)
         self._headers = {"content-type": MSGPACK}
         if token:
             self._headers["authorization"] = f"Bearer {token}"

@@ -21,7 +21,7 @@ usage: $0 [--model M] [--port N] [--token-file F] [--program P] [--system [--use
   --system        a LaunchDaemon in /Library/LaunchDaemons (run with sudo) instead of a LaunchAgent
   --user U        the account the LaunchDaemon runs as (default: \$SUDO_USER; never root)
   --dry-run       print the rendered plist and the commands instead of running them
- one rank of a group serving one model over several Macs (README "Scale-out"), one per Mac:
+ one rank of a group serving one model over several Macs (docs/scale-out.md), one per Mac:
   --rank R        this Mac's rank (0 serves HTTP; the others follow it)
   --hostfile F    the mx.distributed hostfile (absolute; the same file on every Mac)
   --tensor-parallel N / --pipeline-parallel N   ranks in the group (N lines in the hostfile)
@@ -53,7 +53,7 @@ case $port in '' | *[!0-9]*) die "--port must be a number, got '$port'" ;; esac
 [ -n "$model" ] || die "--model must not be empty"
 for n in "$tp" "$pp"; do case $n in '' | *[!0-9]* | 0) die "--tensor-parallel/--pipeline-parallel must be >= 1, got '$n'" ;; esac; done
 # Only ring is configured by MLX_RANK + MLX_HOSTFILE alone; jaccl and mpi need the variables
-# mlx.launch sets for them (start those groups with mlx.launch, see README "Scale-out").
+# mlx.launch sets for them (start those groups with mlx.launch, see docs/scale-out.md).
 case $backend in ring) ;; *) die "--backend must be ring (for jaccl or mpi use mlx.launch), got '$backend'" ;; esac
 if [ -n "$rank$hostfile" ] || [ "$tp" != 1 ] || [ "$pp" != 1 ]; then
 	[ "$tp" = 1 ] || [ "$pp" = 1 ] || die "--tensor-parallel and --pipeline-parallel cannot be combined"

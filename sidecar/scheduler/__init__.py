@@ -1,7 +1,7 @@
 """A reference scheduler (vLLM v1 policy) for driving the worker: plain Python, no MLX.
 
 blocks.py owns KV block accounting and the prefix cache; scheduler.py owns requests, the step
-and the wire `scheduler_output` it sends to `execute_model` (DESIGN.md §6).
+and the wire `scheduler_output` it sends to `execute_model` (docs/protocol.md, execute_model).
 """
 
 from __future__ import annotations

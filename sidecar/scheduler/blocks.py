@@ -1,7 +1,7 @@
 """KV block accounting for the reference scheduler: ref-counted blocks and a hash-chained prefix cache.
 
 Plain Python, no MLX. The scheduler owns block ids; the worker only writes K/V where the block
-tables it is sent point (DESIGN.md §6). A block joins the prefix cache once it is full and its
+tables it is sent point (docs/protocol.md, execute_model). A block joins the prefix cache once it is full and its
 tokens are computed; its hash chains the parent block's hash, so a hit on block i implies the
 whole prefix up to block i matches (K/V depends on every earlier token, not just the block's own).
 """

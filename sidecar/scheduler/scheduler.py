@@ -1,6 +1,6 @@
 """Reference scheduler with vLLM v1's policy, driving a worker over the execute_model wire protocol.
 
-Plain Python, no MLX. A step is `schedule()` -> the wire `scheduler_output` (DESIGN.md §6) ->
+Plain Python, no MLX. A step is `schedule()` -> the wire `scheduler_output` (docs/protocol.md, execute_model) ->
 the worker's `execute_model` -> `update_from_output()`, which appends the sampled tokens and
 checks stops. Policy: continuous batching; running requests first (decodes and unfinished
 chunked prefills), then FCFS admission of waiting ones under a token budget and a sequence cap;

@@ -1,4 +1,4 @@
-"""Bearer-token auth and the bind-time safety checks (DESIGN §9)."""
+"""Bearer-token auth and the bind-time safety checks (docs/operations.md, Security and hardening)."""
 
 from __future__ import annotations
 

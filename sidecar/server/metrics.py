@@ -1,4 +1,4 @@
-"""Prometheus metrics (prefix `mlx_worker_`, DESIGN §8) on an injected registry.
+"""Prometheus metrics (prefix `mlx_worker_`, docs/operations.md, Metrics and alerts) on an injected registry.
 
 A scrape never waits for the MLX thread and never walks structures that thread mutates:
 

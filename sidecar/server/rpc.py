@@ -20,7 +20,7 @@ from sidecar.worker import ALLOWED, MLXWorker
 
 log = logging.getLogger("sidecar.rpc")
 
-# The allow-list: exactly the lifecycle methods of DESIGN §5, nothing else reachable by name.
+# The allow-list: exactly the lifecycle methods of docs/architecture.md, The worker lifecycle, nothing else reachable by name.
 METHODS = tuple(ALLOWED)
 
 

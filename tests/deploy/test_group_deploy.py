@@ -1,4 +1,4 @@
-"""deploy/ for a group of Macs (README "Scale-out"): install.sh --rank renders one rank's plist whose
+"""deploy/ for a group of Macs (docs/scale-out.md): install.sh --rank renders one rank's plist whose
 environment is what mlx.launch exports plus the group's shape, read back through the real Config."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def reference(prompt, max_tokens, *, eos=(), stop=(), ignore_eos=False, min_toke
                 return out, "length"
 
 
-# -- a fake worker that keeps its own state per DESIGN §6 and validates every step --------------
+# -- a fake worker that keeps its own state per docs/protocol.md, execute_model and validates every step --------------
 
 class WireError(AssertionError):
     pass

@@ -1,4 +1,4 @@
-"""Metrics end to end (DESIGN §8): a real server, real scrapes, promtool and a real Prometheus."""
+"""Metrics end to end (docs/operations.md, Metrics and alerts): a real server, real scrapes, promtool and a real Prometheus."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 MSGPACK = {"content-type": "application/msgpack", **AUTH}
 BODY_LIMIT = 65536
 
-# DESIGN §8: every family, its type and its label names (prefix mlx_worker_).
+# docs/operations.md, Metrics and alerts: every family, its type and its label names (prefix mlx_worker_).
 GAUGES: dict[str, set[str]] = {
     "info": {"model", "dtype", "device", "mlx_version", "version"}, "state": {"state"}, "healthy": set(),
     "memory_active_bytes": set(), "memory_peak_bytes": set(), "memory_cache_bytes": set(),

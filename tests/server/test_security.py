@@ -1,4 +1,4 @@
-"""DESIGN §9 end to end: binding rules, the bearer token, body and msgpack limits, content types,
+"""docs/operations.md, Security and hardening end to end: binding rules, the bearer token, body and msgpack limits, content types,
 per-call timeouts and the bounded queue, against real `mlx-sidecar serve` processes."""
 
 from __future__ import annotations
