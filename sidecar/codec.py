@@ -3,7 +3,15 @@
 Everything a body could do to the decoder is rejected here as a 400, before any handler sees it:
 map keys that are not strings (except inside the documented int-keyed maps), duplicate keys, ext
 types (the timestamp ext included), strings that cannot be sent back in both formats (lone
-surrogates), nesting deeper than MAX_DEPTH. Each check costs at most a pass over the bytes.
+surrogates), nesting deeper than MAX_DEPTH. A msgpack body is one `unpackb` (its `max_*_len`
+bound every container by the body's size before it is built; `object_pairs_hook` sees each map's
+pairs, so a repeated key is caught instead of overwritten) and one walk of the result that names
+the path of what it rejects. The typed conversion (protocol.py) is the only other look.
+
+Why not msgspec (typed Structs, as vLLM's engine IPC): it decodes faster, but a repeated map key
+silently keeps the last value, non-string keys and ext values pass wherever a field is untyped,
+and its bounds are static while ours depend on the model (max_model_len); keeping the contract
+would need a second strict pass anyway.
 """
 
 from __future__ import annotations
@@ -121,8 +129,6 @@ def decode_body(body: bytes, content_type: str) -> dict:
 
 
 def _decode(body: bytes, is_json: bool) -> dict:
-    if not is_json and len(body) <= FAST_MAX_BYTES and (value := _canonical(body)) is not None:
-        return value
     try:
         if not is_json:
             value = msgpack.unpackb(
@@ -180,60 +186,6 @@ def _check_ints(root: dict) -> None:
                 stack.append((v, 0, entry, k))
 
 
-# The fast path takes small msgpack bodies (a decode step's is a few hundred bytes).
-FAST_MAX_BYTES = 64 * 1024
-
-
-def _canonical(body: bytes) -> dict | None:
-    """A msgpack body decoded without a Python call per map, when that is safe to do: the decoded
-    map re-encodes to exactly `body` (so no key was repeated: a repeat would have shortened its
-    map), and `_plain` finds nothing the full checks would look at twice. Then the full decode
-    would return the same map. None: anything else (the full decode answers, errors included)."""
-    try:
-        value = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_no_ext, use_list=True,
-                                max_str_len=len(body), max_bin_len=len(body), max_array_len=MAX_CONTAINER_LEN,
-                                max_map_len=MAX_CONTAINER_LEN)
-        if type(value) is not dict or not _plain(value) or msgpack.packb(value, use_bin_type=True) != body:
-            return None
-    except Exception:  # noqa: BLE001 - the full decode names what is wrong
-        return None
-    return value
-
-
-def _plain(root: dict) -> bool:
-    """String keys only, at most MAX_MAPS maps and MAX_DEPTH levels, scalar leaves: what `_map`
-    and `_check_tree` accept without a second look."""
-    stack: list[tuple[Any, int]] = [(root, 1)]
-    maps = 0
-    scalars = _SCALARS
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            return False
-        if type(node) is dict:
-            maps += 1
-            if maps > MAX_MAPS:
-                return False
-            for k, v in node.items():
-                if type(k) is not str:
-                    return False
-                tv = type(v)
-                if tv is dict or tv is list:
-                    stack.append((v, depth + 1))
-                elif tv not in scalars:
-                    return False
-        elif len(node) > 16 and set(map(type, node)) <= scalars:  # (a long list of scalars: in C)
-            continue
-        else:
-            for v in node:
-                tv = type(v)
-                if tv is dict or tv is list:
-                    stack.append((v, depth + 1))
-                elif tv not in scalars:
-                    return False
-    return True
-
-
 def _path(entry: tuple | None) -> str:
     parts: list[str] = []
     while entry is not None:
@@ -268,6 +220,8 @@ def _check_tree(root: dict) -> None:
                 key = next(k for k in node if type(k) is not str and (type(k) is not int or entry[3] not in INT_KEYED_MAPS))
                 what = f"integer {key}" if type(key) is int else wire_type(key)
                 raise ProtocolError(f"map keys must be strings, got {what}", field=_path(entry) or None)
+            if set(map(type, node.values())) <= _SCALARS:
+                continue
             items = node.items()
         else:
             # Lists of scalars (token ids), of scalar lists (block tables per group), ... are

@@ -20,6 +20,7 @@ its size; what has the wrong type is left for the full decode to report. Limits 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Mapping
 
 from sidecar.errors import ProtocolError
@@ -58,12 +59,23 @@ class Limits:
         return -(-self.max_model_len // self.block_size) + TABLE_SLACK_BLOCKS
 
 
+_LIST = frozenset({list})
+
+
 def _list(value: Any) -> list:
     return value if type(value) is list else []
 
 
 def _len(value: Any) -> int:
     return len(value) if type(value) in (list, dict) else 0
+
+
+def _longest(rows: list) -> int:
+    """The most entries in one of `rows` (0 for a row that is not a container); in C for a list
+    of lists, so a step's rows cost nothing per row in Python until one breaks a bound."""
+    if set(map(type, rows)) <= _LIST:
+        return max(map(len, rows), default=0)
+    return max(map(_len, rows), default=0)
 
 
 def _at_most(value: Any, limit: int, what: str, path: str) -> None:
@@ -109,55 +121,6 @@ def _sampling(sp: dict, lim: Limits, path: str) -> None:
                                 field=f"{path}.{key}")
 
 
-def _decode_within_bounds(so: dict, requests: Mapping[str, Any], lim: Limits) -> bool:
-    """True for a step with no new requests (nor resumed ones, stated tokens for all, block copies)
-    that keeps every bound below: `check_step_shape` would pass it. False: let it look."""
-    g = so.get
-    new = g("scheduled_new_reqs")
-    cached = g("scheduled_cached_reqs")
-    if new or (new is not None and type(new) is not list) or type(cached) is not dict or g("kv_cache_block_copies"):
-        return False
-    c = cached.get
-    rids = c("req_ids")
-    if (type(rids) is not list or c("resumed_req_ids") or c("resumed_from_preemption") is not None
-            or c("all_token_ids")):
-        return False
-    n = len(rids)
-    if n > lim.max_live_requests:
-        return False
-    for rid in rids:
-        if type(rid) is not str or len(rid) > lim.max_req_id_len:
-            return False
-    for key in ("new_token_ids", "new_block_ids", "num_computed_tokens", "num_output_tokens"):
-        v = c(key)
-        if type(v) is list and len(v) != n and not (key == "new_token_ids" and not v):
-            return False
-    for toks in _list(c("new_token_ids")):
-        if _len(toks) > lim.max_model_len:
-            return False
-    cap = lim.max_table_len
-    for rid, groups in zip(rids, _list(c("new_block_ids"))):
-        if _len(groups) > MAX_KV_CACHE_GROUPS:
-            return False
-        if type(groups) is list:
-            state = requests.get(rid)
-            have = len(state.block_ids) if state is not None else 0
-            for table in groups:
-                if _len(table) + have > cap:
-                    return False
-    if _len(g("num_scheduled_tokens")) > n:
-        return False
-    finished = g("finished_req_ids")
-    for ids in (finished, g("preempted_req_ids")):
-        if _len(ids) > MAX_ID_LIST:
-            return False
-        for rid in _list(ids):
-            if type(rid) is not str or len(rid) > lim.max_req_id_len:
-                return False
-    gone = len({r for r in finished if type(r) is str} & requests.keys()) if type(finished) is list and finished else 0
-    return len(requests) - gone <= lim.max_live_requests
-
-
 def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
     """Raise ProtocolError (with the field) when a scheduler_output breaks a bound."""
     if type(so) is not dict:
@@ -166,8 +129,6 @@ def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
     if type(total) is int and total > lim.max_step_tokens:
         raise ProtocolError(f"a step of {total} tokens is over the limit of {lim.max_step_tokens} "
                             "(max(--max-num-batched-tokens, max_model_len))", field="total_num_scheduled_tokens")
-    if _decode_within_bounds(so, requests, lim):
-        return
     new = so.get("scheduled_new_reqs")
     _at_most(new, lim.max_live_requests, "scheduled_new_reqs", "scheduled_new_reqs")
     for i, nr in enumerate(new if type(new) is list else ()):
@@ -196,12 +157,23 @@ def check_step_shape(so: Any, requests: Mapping[str, Any], lim: Limits) -> None:
         _ids(cached.get("resumed_req_ids"), lim, f"{path}.resumed_req_ids", lim.max_live_requests)
         resumed = cached.get("resumed_req_ids")
         resumed = set(resumed) if type(resumed) is list and set(map(type, resumed)) <= {str} else set()
-        for i, toks in enumerate(_list(cached.get("new_token_ids"))):
-            _at_most(toks, lim.max_model_len, "new_token_ids (max_model_len)", f"{path}.new_token_ids[{i}]")
-        for i, groups in enumerate(_list(cached.get("new_block_ids"))):
-            rid = rids[i] if type(rids) is list else None
+        toks = _list(cached.get("new_token_ids"))
+        if _longest(toks) > lim.max_model_len:
+            for i, t in enumerate(toks):
+                _at_most(t, lim.max_model_len, "new_token_ids (max_model_len)", f"{path}.new_token_ids[{i}]")
+        cap, row_ids = lim.max_table_len, rids if type(rids) is list else repeat(None)
+        for i, (rid, groups) in enumerate(zip(row_ids, _list(cached.get("new_block_ids")))):
+            if groups is None:
+                continue
             state = requests.get(rid) if type(rid) is str and rid not in resumed else None
-            _groups(groups, lim, f"{path}.new_block_ids[{i}]", len(state.block_ids) if state is not None else 0)
+            have = len(state.block_ids) if state is not None else 0
+            if type(groups) is list and len(groups) <= MAX_KV_CACHE_GROUPS:
+                for table in groups:
+                    if (len(table) if type(table) is list else _len(table)) + have > cap:
+                        break
+                else:
+                    continue
+            _groups(groups, lim, f"{path}.new_block_ids[{i}]", have)  # names what is over
         all_tokens = cached.get("all_token_ids")
         _at_most(all_tokens, lim.max_live_requests, "all_token_ids", f"{path}.all_token_ids")
         for rid, toks in (all_tokens.items() if type(all_tokens) is dict else ()):

@@ -7,11 +7,11 @@ ids, block ranges, token counts) live in runner/requests.py so both run before a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Callable
 
 from sidecar.errors import ProtocolError
 from sidecar.sampling_params import SamplingParams
-from sidecar.wire_fast import cached_step
 
 # The codecs live in codec.py (no MLX); re-exported for the callers that import them from here.
 from sidecar.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
@@ -29,11 +29,12 @@ def _join(path: str, key: str) -> str:
 
 def get(d: dict, key: str, kind: type | tuple[type, ...], path: str = "", default: Any = _MISSING) -> Any:
     """d[key] checked against `kind` (bool is not an int; int is accepted as float)."""
-    if key not in d or (d[key] is None and default is not _MISSING):
+    v = d.get(key, _MISSING)
+    if v is _MISSING or (v is None and default is not _MISSING):
         if default is _MISSING:
             raise ProtocolError(f"missing required field {key!r}", field=_join(path, key))
         return default
-    return check(d[key], kind, _join(path, key))
+    return v if type(v) is kind else check(v, kind, _join(path, key))  # the path is built for errors only
 
 
 def check(value: Any, kind: type | tuple[type, ...], path: str) -> Any:
@@ -50,7 +51,24 @@ def check(value: Any, kind: type | tuple[type, ...], path: str) -> Any:
     return value
 
 
+_INT, _STR, _LIST, _LIST_OR_NONE = frozenset({int}), frozenset({str}), frozenset({list}), frozenset({list, type(None)})
+
+
+def _uniform(value: Any, levels: int, kinds: frozenset) -> bool:
+    """`value` is a list of lists `levels` deep whose leaves' types are all in `kinds`, checked in
+    C, one pass per level (a step's token and block lists); False: the checks below name the path."""
+    if type(value) is not list:
+        return False
+    for _ in range(levels):
+        if not set(map(type, value)) <= _LIST:
+            return False
+        value = list(chain.from_iterable(value))
+    return set(map(type, value)) <= kinds
+
+
 def int_list(value: Any, path: str) -> list[int]:
+    if _uniform(value, 0, _INT):
+        return value
     check(value, list, path)
     for i, v in enumerate(value):
         if not isinstance(v, int) or isinstance(v, bool):
@@ -63,9 +81,18 @@ def list_of(value: Any, path: str, item: Callable[[Any, str], Any]) -> list:
     return [item(v, f"{path}[{i}]") for i, v in enumerate(value)]
 
 
+def str_list(value: Any, path: str) -> list[str]:
+    return value if _uniform(value, 0, _STR) else list_of(value, path, _str)
+
+
 def block_groups(value: Any, path: str) -> list[list[int]]:
     """block_ids: one list of block ids per KV cache group (a vLLM tuple of lists)."""
-    return list_of(value, path, int_list)
+    return list(value) if _uniform(value, 1, _INT) else list_of(value, path, int_list)
+
+
+def _block_rows(value: list) -> bool:
+    """new_block_ids: per request null, or block_ids."""
+    return set(map(type, value)) <= _LIST_OR_NONE and _uniform(list(filter(None, value)), 2, _INT)
 
 
 # --- wire types -------------------------------------------------------------------------
@@ -109,13 +136,6 @@ class SchedulerOutput:
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
-        fast = cached_step(d)  # a step that only continues cached requests (wire_fast.py)
-        if fast is not None:
-            req_ids, toks, blocks, computed, nst, total, finished, preempted = fast
-            return cls(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(
-                req_ids=req_ids, resumed_req_ids=set(), new_token_ids=toks, new_block_ids=blocks,
-                num_computed_tokens=computed, all_token_ids={}), num_scheduled_tokens=nst,
-                total_num_scheduled_tokens=total, finished_req_ids=finished, preempted_req_ids=preempted)
         check(d, dict, "scheduler_output")
         new_reqs = list_of(
             get(d, "scheduled_new_reqs", list, default=[]), "scheduled_new_reqs",
@@ -123,16 +143,17 @@ class SchedulerOutput:
         )
         cached = _cached_requests(get(d, "scheduled_cached_reqs", dict, default={}))
         nst = get(d, "num_scheduled_tokens", dict)
-        for k, v in nst.items():
-            check(k, str, "num_scheduled_tokens")
-            check(v, int, f"num_scheduled_tokens.{k}")
+        if not (set(map(type, nst)) <= _STR and set(map(type, nst.values())) <= _INT):
+            for k, v in nst.items():
+                check(k, str, "num_scheduled_tokens")
+                check(v, int, f"num_scheduled_tokens.{k}")
         return cls(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=nst,
             total_num_scheduled_tokens=get(d, "total_num_scheduled_tokens", int),
-            finished_req_ids=list_of(get(d, "finished_req_ids", list, default=[]), "finished_req_ids", _str),
-            preempted_req_ids=list_of(get(d, "preempted_req_ids", list, default=[]), "preempted_req_ids", _str),
+            finished_req_ids=str_list(get(d, "finished_req_ids", list, default=[]), "finished_req_ids"),
+            preempted_req_ids=str_list(get(d, "preempted_req_ids", list, default=[]), "preempted_req_ids"),
             kv_cache_block_copies=list_of(get(d, "kv_cache_block_copies", list, default=[]), "kv_cache_block_copies",
                                           _block_copy),
             scheduled_spec_decode_tokens=_spec_tokens(get(d, "scheduled_spec_decode_tokens", dict, default={})),
@@ -198,30 +219,36 @@ def _prefill_tokens(d: dict, path: str, prompt: list[int]) -> list[int] | None:
 
 def _cached_requests(d: dict) -> CachedRequestData:
     path = "scheduled_cached_reqs"
-    req_ids = list_of(get(d, "req_ids", list, path, default=[]), _join(path, "req_ids"), _str)
+    req_ids = str_list(get(d, "req_ids", list, path, default=[]), _join(path, "req_ids"))
     n = len(req_ids)
 
-    def per_req(key: str, item: Callable[[Any, str], Any], default: Any) -> list:
-        values = list_of(get(d, key, list, path, default=[default] * n), _join(path, key), item)
+    def per_req(key: str, item: Callable[[Any, str], Any], default: Any, fast: Callable[[list], bool] | None = None) -> list:
+        values = get(d, key, list, path, default=None)
+        if values is None:
+            values = [default] * n
+        elif fast is None or not fast(values):
+            values = list_of(values, _join(path, key), item)
         if key == "new_token_ids" and not values:  # v2: vLLM sends [] unless pipeline-parallel
             values = [[] for _ in range(n)]
         if len(values) != n:
             raise ProtocolError(f"{key} has {len(values)} entries for {n} req_ids", field=_join(path, key))
         return values
 
-    resumed = set(list_of(get(d, "resumed_req_ids", list, path, default=[]), _join(path, "resumed_req_ids"), _str))
+    resumed = set(str_list(get(d, "resumed_req_ids", list, path, default=[]), _join(path, "resumed_req_ids")))
     # Older vLLM sends one bool per request instead of the id set.
     flags = per_req("resumed_from_preemption", lambda v, p: check(v, bool, p), False)
     resumed |= {rid for rid, f in zip(req_ids, flags) if f}
     all_tokens = get(d, "all_token_ids", dict, path, default={})
-    for k, v in all_tokens.items():
-        int_list(v, f"{path}.all_token_ids.{k}")
+    if not _uniform(list(all_tokens.values()), 1, _INT):
+        for k, v in all_tokens.items():
+            int_list(v, f"{path}.all_token_ids.{k}")
     return CachedRequestData(
         req_ids=req_ids,
         resumed_req_ids=resumed,
-        new_token_ids=per_req("new_token_ids", int_list, []),
-        new_block_ids=per_req("new_block_ids", lambda v, p: None if v is None else block_groups(v, p), None),
-        num_computed_tokens=per_req("num_computed_tokens", lambda v, p: check(v, int, p), 0),
+        new_token_ids=per_req("new_token_ids", int_list, [], lambda v: _uniform(v, 1, _INT)),
+        new_block_ids=per_req("new_block_ids", lambda v, p: None if v is None else block_groups(v, p), None, _block_rows),
+        num_computed_tokens=per_req("num_computed_tokens", lambda v, p: check(v, int, p), 0,
+                                    lambda v: _uniform(v, 0, _INT)),
         all_token_ids=all_tokens,
     )
 

@@ -58,9 +58,7 @@ def test_wrong_types_are_left_for_the_decoder(junk: object) -> None:
     check_step_shape(junk, {}, LIM)
 
 
-# --- the decode step's short cut (limits._decode_within_bounds) ---------------------------------
-
-import sidecar.limits as limits  # noqa: E402
+# --- the decode step: bounds on the rows of scheduled_cached_reqs --------------------------------
 
 
 def decode(**over: object) -> dict:
@@ -78,55 +76,33 @@ def _cached(**over: object):
 
 
 HELD = {"a": SimpleNamespace(block_ids=[0] * 7), "b": SimpleNamespace(block_ids=[1])}
-SHORTCUT = [  # steps the short cut passes: each within every bound
-    lambda d: None, _cached(new_token_ids=[]), _cached(new_token_ids=[[-1]]), _cached(new_block_ids=[[[3]]]),
-    lambda d: d.update(finished_req_ids=["b"], preempted_req_ids=["a"]), lambda d: d.pop("scheduled_new_reqs"),
-    _cached(resumed_from_preemption=None, all_token_ids={}), lambda d: d.update(scheduled_new_reqs=None),
-]
-LOOKED_AT = [  # steps it leaves to the full check: past a bound, or not a plain decode
-    _cached(new_block_ids=[[[3, 4]]]),  # 7 + 2 blocks: over max_table_len (8)
-    _cached(new_block_ids=[[[3]] * 17]), _cached(req_ids=["a" * 9]), _cached(req_ids=["a", "b", "c"]),
-    _cached(new_token_ids=[[0] * 65]), _cached(new_token_ids=[[], []]), _cached(num_output_tokens=[1, 2]),
-    lambda d: d.update(num_scheduled_tokens={"a": 1, "b": 1}), lambda d: d.update(finished_req_ids=["123456789"]),
-    lambda d: d.update(preempted_req_ids=[3]), lambda d: d.update(scheduled_new_reqs=[new("b")]),
-    lambda d: d.update(kv_cache_block_copies=[[1, 2]]), _cached(resumed_req_ids=["a"]),
-    _cached(resumed_from_preemption=[True]), _cached(all_token_ids={"a": [1]}), _cached(req_ids="a"),
-    lambda d: d.update(scheduled_cached_reqs=[]), lambda d: d.update(scheduled_new_reqs={}),
-]
 
 
-def _field_without_shortcut(so: dict, requests: dict, monkeypatch: pytest.MonkeyPatch) -> str | None:
-    with monkeypatch.context() as m:
-        m.setattr(limits, "_decode_within_bounds", lambda *a: False)
-        try:
-            check_step_shape(so, requests, LIM)
-        except ProtocolError as e:
-            return e.field
-    return None
-
-
-@pytest.mark.parametrize("mutate", SHORTCUT)
-def test_the_decode_short_cut_passes_only_what_the_full_check_passes(mutate, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mutate, where", [
+    (lambda d: None, None), (_cached(new_token_ids=[]), None), (_cached(new_block_ids=[[[3]]]), None),
+    (_cached(new_token_ids=[[0] * 64]), None), (lambda d: d.update(finished_req_ids=["b"], preempted_req_ids=["a"]), None),
+    (_cached(new_block_ids=[[[3, 4]]]), "scheduled_cached_reqs.new_block_ids[0][0]"),  # 7 + 2 blocks: over 8
+    (_cached(new_block_ids=[[[3]] * 17]), "scheduled_cached_reqs.new_block_ids[0]"),
+    (_cached(new_block_ids=[{str(i): 1 for i in range(17)}]), "scheduled_cached_reqs.new_block_ids[0]"),
+    (_cached(new_token_ids=[[0] * 65]), "scheduled_cached_reqs.new_token_ids[0]"),
+    (_cached(new_token_ids=[[], []]), "scheduled_cached_reqs.new_token_ids"),
+    (_cached(num_output_tokens=[1, 2]), "scheduled_cached_reqs.num_output_tokens"),
+    (_cached(req_ids=["a" * 9]), "scheduled_cached_reqs.req_ids[0]"),
+    (_cached(req_ids=["a", "b", "c"]), "scheduled_cached_reqs.req_ids"),
+    (lambda d: d.update(num_scheduled_tokens={"a": 1, "b": 1}), "num_scheduled_tokens"),
+    (lambda d: d.update(finished_req_ids=["123456789"]), "finished_req_ids[0]"),
+    (_cached(resumed_req_ids=["a"], new_block_ids=[[[3, 4]]]), None),  # a resumed table replaces the old one
+])
+def test_decode_rows_are_bounded(mutate, where: str | None) -> None:
     d = decode()
     mutate(d)
-    assert limits._decode_within_bounds(d, HELD, LIM)
-    assert _field_without_shortcut(d, HELD, monkeypatch) is None
-
-
-@pytest.mark.parametrize("mutate", LOOKED_AT)
-def test_the_rest_gets_the_full_checks_answer(mutate, monkeypatch: pytest.MonkeyPatch) -> None:
-    d = decode()
-    mutate(d)
-    assert not limits._decode_within_bounds(d, HELD, LIM)
-    assert field(d, HELD) == _field_without_shortcut(d, HELD, monkeypatch)
+    assert field(d, HELD) == where
 
 
 def test_the_live_request_bound_holds_for_decodes() -> None:
     three = {**HELD, "c": SimpleNamespace(block_ids=[])}  # one over --max-live-requests (2) already
-    assert not limits._decode_within_bounds(decode(), three, LIM)
     assert field(decode(), three) == "scheduled_new_reqs"
-    assert limits._decode_within_bounds(decode(finished_req_ids=["c"]), three, LIM)  # dropping one brings it back
-    assert field(decode(finished_req_ids=["c"]), three) is None
+    assert field(decode(finished_req_ids=["c"]), three) is None  # dropping one brings it back
 
 
 def test_bad_words_are_bounded_in_total_tokens() -> None:

@@ -89,3 +89,69 @@ def test_depth_limit() -> None:
     for _ in range(MAX_DEPTH - 3):
         shallow = [shallow]
     assert decode_body(msgpack.packb({"x": shallow}), "application/msgpack")  # the negative control
+
+
+# --- the decode step: what vLLM's scheduler sends on nearly every step -----------------------
+
+
+def step(**over: object) -> dict:
+    d = {
+        "scheduled_new_reqs": [],
+        "scheduled_cached_reqs": {"req_ids": ["a", "b"], "resumed_req_ids": [], "new_token_ids": [[], [-1]],
+                                  "new_block_ids": [None, [[7]]], "num_computed_tokens": [40, 9],
+                                  "num_output_tokens": [3, 1]},
+        "num_scheduled_tokens": {"a": 1, "b": 1}, "total_num_scheduled_tokens": 2,
+        "scheduled_spec_decode_tokens": {}, "num_common_prefix_blocks": [0],
+        "finished_req_ids": ["z"], "preempted_req_ids": [],
+    }
+    d.update(over)
+    return d
+
+
+def test_a_decode_step_decodes_with_its_defaults() -> None:
+    c = decode(step()).scheduled_cached_reqs
+    assert (c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens) == (
+        ["a", "b"], [[], [-1]], [None, [[7]]], [40, 9])
+    d = step()
+    for k in ("scheduled_new_reqs", "scheduled_spec_decode_tokens", "finished_req_ids", "preempted_req_ids"):
+        d[k] = None
+    for k in ("new_token_ids", "new_block_ids", "num_computed_tokens"):
+        d["scheduled_cached_reqs"].pop(k)
+    out = decode(d)
+    c = out.scheduled_cached_reqs
+    assert (c.new_token_ids, c.new_block_ids, c.num_computed_tokens) == ([[], []], [None, None], [0, 0])
+    assert (out.scheduled_new_reqs, out.finished_req_ids, out.scheduled_spec_decode_tokens) == ([], [], {})
+    d["scheduled_cached_reqs"]["new_token_ids"] = []  # v2: vLLM sends [] unless pipeline-parallel
+    assert decode(d).scheduled_cached_reqs.new_token_ids == [[], []]
+
+
+def _cached(**over: object):
+    return lambda d: d["scheduled_cached_reqs"].update(over)
+
+
+@pytest.mark.parametrize("mutate, field, words", [
+    (lambda d: d.update(num_scheduled_tokens={"a": True, "b": 1}), "num_scheduled_tokens.a", "got boolean"),
+    (lambda d: d.update(num_scheduled_tokens={"a": 1.0, "b": 1}), "num_scheduled_tokens.a", "got float 1.0"),
+    (lambda d: d.update(total_num_scheduled_tokens=None), "total_num_scheduled_tokens", "got null"),
+    (lambda d: d.pop("num_scheduled_tokens"), "num_scheduled_tokens", "missing required field"),
+    (_cached(req_ids=["a", 3]), "scheduled_cached_reqs.req_ids[1]", "got integer"),
+    (_cached(req_ids="ab"), "scheduled_cached_reqs.req_ids", "expected array, got string"),
+    (_cached(new_token_ids=[[True], []]), "scheduled_cached_reqs.new_token_ids[0][0]", "got boolean"),
+    (_cached(new_token_ids=[[]]), "scheduled_cached_reqs.new_token_ids", "1 entries for 2 req_ids"),
+    (_cached(new_token_ids=[1, 2]), "scheduled_cached_reqs.new_token_ids[0]", "expected array, got integer"),
+    (_cached(new_block_ids=[None, [[True]]]), "scheduled_cached_reqs.new_block_ids[1][0][0]", "got boolean"),
+    (_cached(new_block_ids=[None, [7]]), "scheduled_cached_reqs.new_block_ids[1][0]", "got integer"),
+    (_cached(new_block_ids=[0, [[7]]]), "scheduled_cached_reqs.new_block_ids[0]", "got integer"),
+    (_cached(new_block_ids=[None]), "scheduled_cached_reqs.new_block_ids", "1 entries for 2 req_ids"),
+    (_cached(num_computed_tokens=[40.0, 9]), "scheduled_cached_reqs.num_computed_tokens[0]", "got float 40.0"),
+    (_cached(all_token_ids={"a": [1, 2.0]}), "scheduled_cached_reqs.all_token_ids.a[1]", "got float 2.0"),
+    (lambda d: d.update(finished_req_ids=[1]), "finished_req_ids[0]", "got integer"),
+    (lambda d: d.update(preempted_req_ids="a"), "preempted_req_ids", "got string"),
+    (lambda d: d.update(scheduled_cached_reqs=[]), "scheduled_cached_reqs", "expected map, got array"),
+])
+def test_decode_step_errors_name_the_field(mutate, field: str, words: str) -> None:
+    d = step()
+    mutate(d)
+    with pytest.raises(ProtocolError) as e:
+        decode(d)
+    assert e.value.field == field and words in e.value.message, (e.value.field, e.value.message)
