@@ -23,6 +23,7 @@ import hashlib
 from collections import OrderedDict
 from typing import Any, Callable
 
+from sidecar.codec import wire_type
 from sidecar.errors import ProtocolError, SidecarError
 
 STEP_METHODS = ("execute_model", "sample_tokens")  # the phases of one step, in order
@@ -51,8 +52,6 @@ def step_id_of(kwargs: dict, method: str) -> int | None:
     if v is None:
         return None
     if type(v) is not int or not 0 <= v < 2**63:
-        from sidecar.codec import wire_type
-
         got = str(v)[:40] if type(v) is int else wire_type(v)
         raise ProtocolError(f"step_id must be an integer in [0, 2^63), got {got}", field="step_id")
     return v
