@@ -222,7 +222,8 @@ def _cached_requests(d: dict) -> CachedRequestData:
     req_ids = str_list(get(d, "req_ids", list, path, default=[]), _join(path, "req_ids"))
     n = len(req_ids)
 
-    def per_req(key: str, item: Callable[[Any, str], Any], default: Any, fast: Callable[[list], bool] | None = None) -> list:
+    def per_req(key: str, item: Callable[[Any, str], Any], default: Any,
+                fast: Callable[[list], bool] | None = None) -> list:
         values = get(d, key, list, path, default=None)
         if values is None:
             values = [default] * n
@@ -246,7 +247,8 @@ def _cached_requests(d: dict) -> CachedRequestData:
         req_ids=req_ids,
         resumed_req_ids=resumed,
         new_token_ids=per_req("new_token_ids", int_list, [], lambda v: _uniform(v, 1, _INT)),
-        new_block_ids=per_req("new_block_ids", lambda v, p: None if v is None else block_groups(v, p), None, _block_rows),
+        new_block_ids=per_req("new_block_ids", lambda v, p: None if v is None else block_groups(v, p), None,
+                              _block_rows),
         num_computed_tokens=per_req("num_computed_tokens", lambda v, p: check(v, int, p), 0,
                                     lambda v: _uniform(v, 0, _INT)),
         all_token_ids=all_tokens,

@@ -80,7 +80,8 @@ HELD = {"a": SimpleNamespace(block_ids=[0] * 7), "b": SimpleNamespace(block_ids=
 
 @pytest.mark.parametrize("mutate, where", [
     (lambda d: None, None), (_cached(new_token_ids=[]), None), (_cached(new_block_ids=[[[3]]]), None),
-    (_cached(new_token_ids=[[0] * 64]), None), (lambda d: d.update(finished_req_ids=["b"], preempted_req_ids=["a"]), None),
+    (_cached(new_token_ids=[[0] * 64]), None),
+    (lambda d: d.update(finished_req_ids=["b"], preempted_req_ids=["a"]), None),
     (_cached(new_block_ids=[[[3, 4]]]), "scheduled_cached_reqs.new_block_ids[0][0]"),  # 7 + 2 blocks: over 8
     (_cached(new_block_ids=[[[3]] * 17]), "scheduled_cached_reqs.new_block_ids[0]"),
     (_cached(new_block_ids=[{str(i): 1 for i in range(17)}]), "scheduled_cached_reqs.new_block_ids[0]"),
