@@ -28,7 +28,8 @@ from sidecar.runner.batch_caches import build_caches, exact_batches, read_bounde
 from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
-from sidecar.runner.requests import RequestState, Row, apply, plan_step
+from sidecar.runner.planner import apply, plan_step
+from sidecar.runner.state import RequestState, Row
 from sidecar.runner.outputs import StepStats, build_output
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
 from sidecar.runner.selection import select_before_norm
