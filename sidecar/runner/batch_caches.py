@@ -54,7 +54,7 @@ def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: S
                  lengths: Sequence[int], build: Callable[..., BatchLayout] = BatchLayout.build,
                  ) -> tuple[list[Any], Callable[[], None]]:
     """(cache list, store): `store()` after the forward writes the rows' new recurrent states back.
-    `build` makes each layout (layouts.LayoutBuilder.build: the decode fast path)."""
+    `build` makes each layout."""
     from mlx_lm.models.cache import CacheList
 
     ngroups = max(group_of) + 1
