@@ -27,7 +27,8 @@ from sidecar.profiling import Profiler
 from sidecar.protocol import ModelRunnerOutput, check, get
 from sidecar.runner import kv_groups
 from sidecar.runner.batch_caches import probe_batched
-from sidecar.runner.kv_spec import LayerSpec, derive, spec_wire
+from sidecar.runner.kv_probe import derive
+from sidecar.runner.kv_spec import LayerSpec, spec_wire
 from sidecar.runner.model_runner import ModelRunner
 from sidecar.sleep_mode import SleepMode
 
