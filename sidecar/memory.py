@@ -115,7 +115,7 @@ def kv_bytes_free(fraction: float, held_pool_bytes: int, activation_peak_bytes: 
 def profile_run(runner: Any, cfg: Any) -> float:
     """Forwards at the configured limits on a scratch pool: a full-budget prefill and a full decode batch."""
     from sidecar.runner.kv_cache import KVPool
-    from sidecar.runner.requests import RequestState, Row
+    from sidecar.runner.state import RequestState, Row
     from sidecar.runner.sampler import SamplingParams
 
     seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))

@@ -1,7 +1,7 @@
 """Wire types (vLLM v1 field names), strict decoding with field paths, and the body codecs.
 
 Decoding checks types and shapes only; the semantic checks that need worker state (known request
-ids, block ranges, token counts) live in runner/requests.py so both run before anything changes.
+ids, block ranges, token counts) live in runner/planner.py so both run before anything changes.
 """
 
 from __future__ import annotations

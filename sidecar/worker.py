@@ -27,7 +27,8 @@ from sidecar.profiling import Profiler
 from sidecar.protocol import ModelRunnerOutput, check, get
 from sidecar.runner import kv_groups
 from sidecar.runner.batch_caches import probe_batched
-from sidecar.runner.kv_spec import LayerSpec, derive, spec_wire
+from sidecar.runner.kv_probe import derive
+from sidecar.runner.kv_spec import LayerSpec, spec_wire
 from sidecar.runner.model_runner import ModelRunner
 from sidecar.sleep_mode import SleepMode
 
@@ -241,28 +242,7 @@ class MLXWorker(StateMachine):
         check(kv_cache_config, dict, path)
         num_blocks = get(kv_cache_config, "num_blocks", int, path)
         groups = get(kv_cache_config, "kv_cache_groups", list, path, default=[])
-        ours = self.get_kv_cache_spec()
-        order = kv_groups.scheduler_groups(self.runner, groups, path)  # validated before anything changes
-        named: set[str] = set()
-        for i, g in enumerate(groups):
-            gp = f"{path}.kv_cache_groups[{i}]"
-            check(g, dict, gp)
-            names = get(g, "layer_names", list, gp)
-            for j, name in enumerate(names):
-                if name not in ours:
-                    raise ProtocolError(f"unknown layer {name!r}", field=f"{gp}.layer_names[{j}]")
-            named.update(names)
-            spec = get(g, "kv_cache_spec", dict, gp, default={})
-            bs = spec.get("block_size", self.config.block_size)
-            # A recurrent-state group's block size means nothing here (one state slot per block id);
-            # vLLM's hybrid allocator sizes it to match page sizes.
-            state_group = bool(names) and ours[names[0]]["type"] == "mamba"
-            if bs != self.config.block_size and not state_group:
-                raise ProtocolError(f"block_size {bs} differs from the worker's {self.config.block_size}",
-                                    field=f"{gp}.kv_cache_spec.block_size")
-        if groups and named != set(ours):
-            missing = sorted(set(ours) - named)[0]
-            raise ProtocolError(f"layer {missing!r} is in no KV cache group", field=f"{path}.kv_cache_groups")
+        order = kv_groups.scheduler_groups(self.runner, groups, path, self.config.block_size)  # before any change
         try:
             self.initialize_cache(num_blocks, 0)
         except ProtocolError as e:  # its checks name its own argument; here that is num_blocks

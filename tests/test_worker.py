@@ -69,6 +69,13 @@ def test_initialize_from_config(make_worker) -> None:
     with pytest.raises(ProtocolError) as e:
         w.initialize_from_config({"num_blocks": 12, "kv_cache_groups": [{"layer_names": names[:1]}]})
     assert e.value.field == "kv_cache_config.kv_cache_groups"
+    bad = {"layer_names": names, "kv_cache_spec": {**spec, "block_size": 2 * spec["block_size"]}}
+    with pytest.raises(ProtocolError) as e:
+        w.initialize_from_config({"num_blocks": 12, "kv_cache_groups": [bad]})
+    assert e.value.field == "kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size"
+    with pytest.raises(ProtocolError) as e:
+        w.initialize_from_config({"num_blocks": 12, "kv_cache_groups": [{"layer_names": [7]}]})
+    assert e.value.field == "kv_cache_config.kv_cache_groups[0].layer_names[0]"
     for n in (0, 2**63):  # initialize_cache's own checks, named as this call's field
         with pytest.raises(ProtocolError) as e:
             w.initialize_from_config({"num_blocks": n})

@@ -30,7 +30,7 @@ from sidecar.distributed.group import Channel, GroupLost, Watchdog, exit_soon, i
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
 from sidecar.limits import Limits, check_step_shape
-from sidecar.runner.requests import plan_step
+from sidecar.runner.planner import plan_step
 from sidecar.worker import ALLOWED
 
 log = logging.getLogger("sidecar.distributed")

@@ -181,21 +181,8 @@ class GroupWorker(MLXWorker):
         check(kv_cache_config, dict, path)
         num_blocks = get(kv_cache_config, "num_blocks", int, path)
         groups = get(kv_cache_config, "kv_cache_groups", list, path, default=[])
-        view = self._global_view()
-        ours = sorted(sorted(view.specs[i].name for i in g) for g in view.groups)
-        theirs = []
-        for i, g in enumerate(groups):
-            gp = f"{path}.kv_cache_groups[{i}]"
-            check(g, dict, gp)
-            names = get(g, "layer_names", list, gp)
-            theirs.append(sorted(check(name, str, f"{gp}.layer_names[{j}]") for j, name in enumerate(names)))
-            bs = get(g, "kv_cache_spec", dict, gp, default={}).get("block_size", self.config.block_size)
-            if bs != self.config.block_size:
-                raise ProtocolError(f"block_size {bs} differs from the worker's {self.config.block_size}",
-                                    field=f"{gp}.kv_cache_spec.block_size")
-        if groups and sorted(theirs) != ours:
-            raise ProtocolError(f"with --{self.mode}-parallel the KV cache groups must be the worker's own "
-                                "(get_kv_cache_groups)", field=f"{path}.kv_cache_groups")
+        kv_groups.scheduler_groups(self._global_view(), groups, path, self.config.block_size, only_own=(
+            f"with --{self.mode}-parallel the KV cache groups must be the worker's own (get_kv_cache_groups)"))
         self.initialize_cache(num_blocks, 0)
 
     def get_cache_block_size_bytes(self) -> int:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable
 import mlx.core as mx
 
 from sidecar.runner import boundary
-from sidecar.runner.requests import Row
+from sidecar.runner.state import Row
 
 if TYPE_CHECKING:
     from sidecar.runner.model_runner import ModelRunner

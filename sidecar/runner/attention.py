@@ -14,9 +14,8 @@ per layer into a contiguous `[B, H, K, D]`. (Token-major K/V, `[B, K, H, D]` tra
 strided input that MLX's GQA attention handles several times slower than a contiguous one: that,
 not the gather itself, was most of the long-context cost.)
 
-A `ReadPlan` is made once per layout from the slots the layout reads (`plan_reads`, numpy; the
-decode fast path in layouts.py checks a run in plain Python), shared by every layer using that
-layout; `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
+A `ReadPlan` is made once per layout from the slots the layout reads (`plan_reads`), shared by
+every layer using that layout; `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
 chunk reads from its first visible block, so its run check covers only the keys it reads. A fused
 paged-attention kernel (Metal) would replace `read` + attention behind the same seam; none is
 shipped (no Metal machine here to verify one against this path).

@@ -10,7 +10,7 @@ import mlx.core as mx
 from sidecar.runner.kv_cache import BatchLayout, KVPool, PagedCache
 from sidecar.runner.kv_quant import QuantizedPagedCache
 from sidecar.runner.kv_spec import STATE, ModelCaches
-from sidecar.runner.requests import Row
+from sidecar.runner.state import Row
 from sidecar.runner.state_cache import gather_state, store_state
 
 
@@ -54,7 +54,7 @@ def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: S
                  lengths: Sequence[int], build: Callable[..., BatchLayout] = BatchLayout.build,
                  ) -> tuple[list[Any], Callable[[], None]]:
     """(cache list, store): `store()` after the forward writes the rows' new recurrent states back.
-    `build` makes each layout (layouts.LayoutBuilder.build: the decode fast path)."""
+    `build` makes each layout."""
     from mlx_lm.models.cache import CacheList
 
     ngroups = max(group_of) + 1
@@ -96,7 +96,7 @@ def probe_batched(runner: Any) -> None:
     import numpy as np
 
     from sidecar.runner.kv_spec import UnsupportedModel
-    from sidecar.runner.requests import RequestState
+    from sidecar.runner.state import RequestState
     from sidecar.runner.sampler import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5], [1, 2, 3]]

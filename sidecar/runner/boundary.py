@@ -31,7 +31,7 @@ import numpy as np
 from sidecar.runner.attention import is_run
 from sidecar.runner.kv_cache import KVPool, _parts
 from sidecar.runner.kv_spec import ATTENTION
-from sidecar.runner.requests import Row
+from sidecar.runner.state import Row
 
 if TYPE_CHECKING:
     from sidecar.runner.model_runner import ModelRunner

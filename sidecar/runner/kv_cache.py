@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from sidecar.runner import attention
-from sidecar.runner.kv_spec import STATE, LayerSpec
+from sidecar.runner.kv_spec import GROUP_SIZE, STATE, LayerSpec
 
 __all__ = ["DTYPES", "BatchLayout", "KVPool", "LayerSpec", "PagedCache", "dtype_name"]
 
@@ -53,11 +53,9 @@ class KVPool:
                 self.values.append(None)
                 self.states.append([mx.zeros((num_blocks + 1, *shape), DTYPES[d])
                                     for shape, d in zip(s.state_shapes, s.state_dtypes)])
-            elif s.kv_bits:  # quantised: [data, scales, biases] per leaf (kv_quant.py)
-                from sidecar.runner import kv_quant
-
-                self.keys.append(kv_quant.zeros(s, slots, s.head_size))  # type: ignore[arg-type]
-                self.values.append(kv_quant.zeros(s, slots, s.head_size_v))  # type: ignore[arg-type]
+            elif s.kv_bits:  # quantised (kv_quant.py): packed data, scales, biases per leaf
+                self.keys.append(_quantized_zeros(s, slots, s.head_size))  # type: ignore[arg-type]
+                self.values.append(_quantized_zeros(s, slots, s.head_size_v))  # type: ignore[arg-type]
                 self.states.append(None)
             else:
                 self.keys.append(mx.zeros((1, s.num_kv_heads, slots, s.head_size), DTYPES[s.dtype]))
@@ -92,6 +90,13 @@ class KVPool:
             dst = mx.array(np.concatenate([c[1] * bs + within for c in copies]).astype(np.int32))
             for a in _parts(self.keys[i]) + _parts(self.values[i]):  # head-major [1, H, slots, D]
                 a[:, :, dst] = a[:, :, src]
+
+
+def _quantized_zeros(spec: LayerSpec, slots: int, dim: int) -> list[mx.array]:
+    """A quantised slot pool [1, H, slots, ...]: packed uint32 data, then a scale and a bias per group."""
+    shape, groups = (1, spec.num_kv_heads, slots), dim // GROUP_SIZE
+    return [mx.zeros((*shape, dim * spec.kv_bits // 32), mx.uint32),  # type: ignore[operator]
+            mx.zeros((*shape, groups), DTYPES[spec.dtype]), mx.zeros((*shape, groups), DTYPES[spec.dtype])]
 
 
 def _parts(leaf: mx.array | list[mx.array] | None) -> list[mx.array]:

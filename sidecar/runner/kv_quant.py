@@ -26,29 +26,16 @@ from typing import Any
 import mlx.core as mx
 
 from sidecar.runner import attention
-from sidecar.runner.kv_cache import DTYPES, PagedCache
-from sidecar.runner.kv_spec import DTYPE_BYTES, MLA, LayerSpec, UnsupportedModel
+from sidecar.runner.kv_cache import PagedCache
+from sidecar.runner.kv_spec import GROUP_SIZE, MLA, LayerSpec, UnsupportedModel
 
 KV_BITS = {"8bit": 8, "4bit": 4}
-GROUP_SIZE = 64  # mlx-lm's kv_group_size default
 FIELD = "config.kv_dtype"
 
 
 def bits_of(kv_dtype: str | None) -> int | None:
     """8 or 4 for a quantised kv_dtype, else None."""
     return KV_BITS.get(kv_dtype or "")
-
-
-def vector_bytes(dim: int, bits: int, dtype: str) -> int:
-    """One quantised vector of `dim` values: packed data, then a scale and a bias per group."""
-    return dim * bits // 8 + 2 * (dim // GROUP_SIZE) * DTYPE_BYTES[dtype]
-
-
-def page_bytes(spec: LayerSpec) -> int:
-    assert spec.kv_bits
-    per_head = vector_bytes(spec.head_size, spec.kv_bits, spec.dtype) + vector_bytes(spec.head_size_v, spec.kv_bits,
-                                                                                      spec.dtype)
-    return spec.block_size * spec.num_kv_heads * per_head
 
 
 def quantized(spec: LayerSpec, layer: int, bits: int) -> LayerSpec:
@@ -85,15 +72,6 @@ def probe(model: Any, bits: int) -> None:
     except Exception as e:
         raise UnsupportedModel(f"kv_dtype {bits}bit: the model's attention does not take mlx-lm's quantised KV "
                                f"cache ({type(e).__name__}: {e})", field=FIELD) from None
-
-
-def zeros(spec: LayerSpec, slots: int, dim: int) -> list[mx.array]:
-    """A quantised slot pool [1, H, slots, ...]: packed data, scales, biases."""
-    assert spec.kv_bits
-    shape = (1, spec.num_kv_heads, slots)
-    groups = dim // GROUP_SIZE
-    return [mx.zeros((*shape, dim * spec.kv_bits // 32), mx.uint32), mx.zeros((*shape, groups), DTYPES[spec.dtype]),
-            mx.zeros((*shape, groups), DTYPES[spec.dtype])]
 
 
 class QuantizedPagedCache(PagedCache):

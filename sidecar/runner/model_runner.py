@@ -26,9 +26,9 @@ from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches, read_bounded, read_limit
 from sidecar.runner.kv_cache import KVPool, LayerSpec
-from sidecar.runner.layouts import LayoutBuilder
 from sidecar.runner.kv_spec import STATE, ModelCaches
-from sidecar.runner.requests import RequestState, Row, apply, plan_step
+from sidecar.runner.planner import apply, plan_step
+from sidecar.runner.state import RequestState, Row
 from sidecar.runner.outputs import StepStats, build_output
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
 from sidecar.runner.selection import select_before_norm
@@ -83,7 +83,6 @@ class ModelRunner:
         # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
         self._ahead: _Ahead | None = None
-        self._layouts = LayoutBuilder()
         self.ahead_hits = self.ahead_misses = 0
         self.dispatch_after_reply = False  # set by the first after_reply(): its caller runs it after every reply
         self._dispatch: list[mx.array] | None = None  # the decode-ahead forward, built, waiting for after_reply
@@ -371,7 +370,7 @@ class ModelRunner:
             select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
         # Every position selected (a batch of decodes): no gather.
         index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
-        caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths, self._layouts.build)
+        caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:

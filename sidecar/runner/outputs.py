@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
-from sidecar.runner.requests import Row
+from sidecar.runner.state import Row
 from sidecar.runner.sampler import SampleResult, prompt_logprobs
 from sidecar.runner.spec_decode import Verified
 

@@ -8,14 +8,13 @@ first: steps run in arrival order), so nothing waits on the network. Plain Pytho
 
 from __future__ import annotations
 
-from typing import Any
-
 from sidecar.errors import ProtocolError
+from sidecar.runner.state import RequestState
 
 PLACEHOLDER = [-1]  # vLLM's async scheduler uses -1 for a token not sampled yet
 
 
-def check_placeholder(state: Any, start: int, path: str) -> None:
+def check_placeholder(state: RequestState, start: int, path: str) -> None:
     """A placeholder stands for the request's last sampled token, which must be the one computed now."""
     if not state.output_token_ids:
         raise ProtocolError(f"a placeholder token for {state.req_id!r}, which has sampled no token yet", field=path)

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from sidecar.runner.batch_caches import exact_batches
 from sidecar.runner.kv_spec import ModelCaches
-from sidecar.runner.requests import Row
+from sidecar.runner.state import Row
 
 
 def applies(caches: ModelCaches) -> bool:

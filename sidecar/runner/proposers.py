@@ -28,7 +28,7 @@ from sidecar.config import Config
 from sidecar.errors import ProtocolError
 from sidecar.runner.kv_cache import LayerSpec
 from sidecar.runner.ngram import ngram_drafts, ngram_may_match
-from sidecar.runner.requests import RequestState, Row
+from sidecar.runner.state import RequestState, Row
 from sidecar.runner.sampler import SamplingParams
 from sidecar.runner.spec_policy import VerifyCost, acceptance, best_length, measure
 

@@ -1,4 +1,4 @@
-"""Speculative decoding: validating scheduled drafts and verifying them (vLLM v1 semantics).
+"""Speculative decoding: verifying scheduled drafts (vLLM v1 semantics; planner.py validates them).
 
 A request with k drafts in `scheduled_spec_decode_tokens` computes its last known token plus the
 k drafts in one forward (`num_scheduled_tokens` counts all k + 1); the logits at those k + 1
@@ -26,44 +26,14 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 
-from sidecar.errors import ProtocolError
 from sidecar.runner.sampler import (_M32, _gather_logprobs, _gumbel_argmax, _splitmix64, _width, SamplingRow,
                                     greedy_tokens, truncate)
 
 if TYPE_CHECKING:
-    from sidecar.runner.requests import Row
+    from sidecar.runner.state import Row
     from sidecar.runner.sampler import Sampler
 
-_FIELD = "scheduled_spec_decode_tokens"
 _U_SALT = 0x5851F42D4C957F2D  # separates the acceptance uniforms from the Gumbel noise stream
-
-
-# ---------------------------------------------------------------- validation (plain Python)
-
-
-def check_drafts(spec: Mapping[str, list[int]], rid: str, start: int, n: int, num_tokens: int,
-                 vocab_size: int) -> list[int]:
-    """The request's drafts, checked: ids in the vocabulary, and the scheduled span is exactly
-    [start, num_tokens + k) with at least the last known token in it."""
-    drafts = spec.get(rid) or []
-    for j, t in enumerate(drafts):
-        if not 0 <= t < vocab_size:
-            raise ProtocolError(f"draft token id {t} outside [0, {vocab_size})", field=f"{_FIELD}.{rid}[{j}]")
-    k = len(drafts)
-    if k and (start + n != num_tokens + k or n <= k):
-        raise ProtocolError(
-            f"{k} drafts for {rid!r} need num_scheduled_tokens = known tokens ({num_tokens}) - num_computed_tokens "
-            f"({start}) + {k} = {num_tokens - start + k}, got {n}", field=f"num_scheduled_tokens.{rid}")
-    return list(drafts)
-
-
-def check_no_stray_drafts(spec: Mapping[str, list[int]], scheduled: set[str]) -> None:
-    for rid in sorted(spec):
-        if rid not in scheduled and spec[rid]:
-            raise ProtocolError(f"drafts for {rid!r}, which is not scheduled in this step", field=f"{_FIELD}.{rid}")
-
-
-# ---------------------------------------------------------------- verification
 
 
 @dataclass

@@ -9,7 +9,6 @@ import pytest
 
 from sidecar.runner import attention
 from sidecar.runner.kv_cache import BatchLayout
-from sidecar.runner.layouts import LayoutBuilder
 from tests.conftest import mlx_lm_greedy
 from tests.driver import Driver
 from tests.runner.test_model_runner import prompts
@@ -87,14 +86,14 @@ def test_stream_matches_mlx_lm_on_both_paths(make_worker, oracle_model, layout: 
     want, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 20)
     blocks = [10, 11, 12, 13, 14, 15] if layout == "run" else [40, 7, 23, 3, 31, 18]
     seen: list[bool] = []
-    build = LayoutBuilder.build
+    plan_reads = attention.plan_reads
 
-    def spy(self, *a, **k):
-        lay = build(self, *a, **k)
-        seen.append(lay.reads.in_place)
-        return lay
+    def spy(slots):
+        reads = plan_reads(slots)
+        seen.append(reads.in_place)
+        return reads
 
-    LayoutBuilder.build = spy  # type: ignore[method-assign]
+    attention.plan_reads = spy
     try:
         d = Driver(w.execute_model, bs, w.runner.num_blocks)
         d.add("a", prompt, blocks=list(blocks))
@@ -110,7 +109,7 @@ def test_stream_matches_mlx_lm_on_both_paths(make_worker, oracle_model, layout: 
         d.add("b", prompt, blocks=list(blocks), computed=len(prompt) - 1)  # a's K/V as a cached prefix
         assert d.run(20)["b"] != want
     finally:
-        LayoutBuilder.build = build  # type: ignore[method-assign]
+        attention.plan_reads = plan_reads
 
 
 @pytest.mark.parametrize("start", [3, None])

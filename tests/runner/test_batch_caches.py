@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sidecar.runner.batch_caches import exact_batches, read_bounded, read_limit
 from sidecar.runner.kv_spec import ModelCaches
-from sidecar.runner.requests import RequestState, Row
+from sidecar.runner.state import RequestState, Row
 from sidecar.runner.sampler import SamplingParams
 from tests.runner.test_architectures import served
 

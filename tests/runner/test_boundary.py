@@ -195,7 +195,7 @@ def test_a_real_server_computes_the_crossing_steps_ahead(home) -> None:
 def test_a_lone_in_place_row_crosses_only_while_its_gather_is_cheap(make_worker, monkeypatch) -> None:
     """Crossing turns a lone row's in-place read into a gather of its K/V: past MAX_GATHER_BYTES it
     keeps the old rule; a scattered row (gathered anyway) or a row beside others still crosses."""
-    from sidecar.runner.requests import RequestState, Row
+    from sidecar.runner.state import RequestState, Row
     from sidecar.runner.sampler import SamplingParams
 
     w = make_worker(num_blocks=64)

@@ -39,3 +39,16 @@ def test_full_attention_masks_honour_return_array() -> None:
     assert isinstance(arr, mx.array) and arr.dtype == mx.bool_ and arr.shape == (2, 1, 5, 5)
     assert np.array_equal(np.array(arr[0, 0]), np.tril(np.ones((5, 5), bool)))
     assert BatchLayout.build([5], [1], [[1, 2]], BS, SINK).mask(return_array=True) is None  # one query: no mask
+
+
+def test_one_run_is_read_in_place_and_a_broken_run_is_gathered() -> None:
+    assert BatchLayout.build([9], [1], [[4, 5, 6]], BS, SINK).reads.start == 4 * BS
+    assert BatchLayout.build([9], [1], [[4, 6, 7]], BS, SINK).reads.slots is not None  # negative control
+    two = BatchLayout.build([9, 9], [1, 1], [[4, 5, 6], [7, 8, 9]], BS, SINK)
+    assert not two.reads.in_place and two.uniform and two.mask() is None  # same context: SDPA's unmasked path
+
+
+def test_a_window_reads_its_visible_run_in_place() -> None:
+    lay = BatchLayout.build([9], [1], [[4, 5, 6]], BS, SINK, window=3)  # reads from the block of key 7: 4..9
+    assert lay.reads.start == 5 * BS and lay.reads.length == 6
+    assert not BatchLayout.build([9], [1], [[4, 5, 8]], BS, SINK, window=3).reads.in_place

@@ -104,3 +104,51 @@ def test_group_lists_are_validated(home: str) -> None:
     mixed = [{"layer_names": groups[0]["layer_names"] + ["model.layers.9.self_attn"]}]
     with pytest.raises(ProtocolError, match="unknown layer") as e:
         w.initialize_from_config({"num_blocks": NUM_BLOCKS, "kv_cache_groups": mixed})
+
+
+def _view():
+    """Two attention layers (a window and full) and a recurrent state, grouped by kind."""
+    from types import SimpleNamespace
+
+    from sidecar.runner.kv_spec import STATE, LayerSpec
+
+    specs = [LayerSpec(BLOCK, 1, 8, 8, "float32", 4, name="w"), LayerSpec(BLOCK, 1, 8, 8, "float32", name="f"),
+             LayerSpec(BLOCK, 0, 0, 0, "float32", kind=STATE, state_shapes=((2,),), state_dtypes=("float32",),
+                       name="s")]
+    return SimpleNamespace(specs=specs, groups=[[0], [1], [2]])
+
+
+def _group(*names, block_size=BLOCK) -> dict:
+    return {"layer_names": list(names), "kv_cache_spec": {"block_size": block_size}}
+
+
+@pytest.mark.parametrize("groups, field", [
+    ([_group("w", "f"), _group("nope")], "c.kv_cache_groups[1].layer_names[0]"),
+    ([_group("w", "f"), {"layer_names": [3]}], "c.kv_cache_groups[1].layer_names[0]"),
+    ([_group("w", "f"), "s"], "c.kv_cache_groups[1]"),
+    ([_group("w", "f"), _group()], "c.kv_cache_groups[1].layer_names"),
+    ([_group("w", "f", "s")], "c.kv_cache_groups[0].layer_names"),  # state and attention mixed
+    ([_group("w", "f", block_size=2 * BLOCK), _group("s")], "c.kv_cache_groups[0].kv_cache_spec.block_size"),
+    ([_group("w", "f")], "c.kv_cache_groups"),  # "s" in no group
+])
+def test_scheduler_groups_name_the_offending_field(groups: list, field: str) -> None:
+    from sidecar.runner.kv_groups import scheduler_groups
+
+    with pytest.raises(ProtocolError) as e:
+        scheduler_groups(_view(), groups, "c", BLOCK)
+    assert e.value.field == field, e.value.message
+
+
+def test_scheduler_groups_accepts_regroupings_unless_only_its_own() -> None:
+    from sidecar.runner.kv_groups import scheduler_groups
+
+    view = _view()
+    assert scheduler_groups(view, [], "c", BLOCK) == view.groups
+    # All attention layers in one group; a state group's block size is not ours to check.
+    shared = [_group("f", "w"), _group("s", block_size=7 * BLOCK)]
+    assert scheduler_groups(view, shared, "c", BLOCK) == [[1, 0], [2]]
+    with pytest.raises(ProtocolError, match="only ours") as e:
+        scheduler_groups(view, shared, "c", BLOCK, only_own="only ours")
+    assert e.value.field == "c.kv_cache_groups"
+    own = [_group("s"), _group("f"), _group("w")]  # the worker's groups, in another order
+    assert scheduler_groups(view, own, "c", BLOCK, only_own="only ours") == [[2], [1], [0]]

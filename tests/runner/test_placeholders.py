@@ -4,7 +4,7 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.runner.placeholders import check_placeholder
-from sidecar.runner.requests import RequestState
+from sidecar.runner.state import RequestState
 from sidecar.sampling_params import SamplingParams
 
 

@@ -3,7 +3,7 @@ token; rows that need every position (prompt logprobs) or verify drafts are left
 
 from __future__ import annotations
 
-from sidecar.runner.requests import RequestState, Row
+from sidecar.runner.state import RequestState, Row
 from sidecar.runner.sampler import SamplingParams
 from sidecar.runner.prefill_split import split
 

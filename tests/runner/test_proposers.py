@@ -179,7 +179,7 @@ def test_may_draft_only_where_propose_could() -> None:
     could match after any next token, may get drafts; a paused row or one with nothing to match
     may not (and propose then indeed gives none)."""
     from sidecar.runner.proposers import NgramProposer
-    from sidecar.runner.requests import RequestState, Row
+    from sidecar.runner.state import RequestState, Row
     from sidecar.runner.sampler import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sidecar.errors import ProtocolError
-from sidecar.runner.requests import RequestState, Row
+from sidecar.runner.state import RequestState, Row
 from sidecar.runner.sampler import Sampler, SamplingParams
 from sidecar.runner.spec_decode import verify
 from tests.conftest import mlx_lm_greedy

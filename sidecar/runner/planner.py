@@ -1,83 +1,18 @@
-"""Per-request worker state and the step plan: plain Python, no MLX.
-
-`plan_step` validates a whole SchedulerOutput against the current state and returns what to do;
-`apply` is the only place request state changes, so a rejected step changes nothing.
+"""Planning a step: `plan_step` validates a whole SchedulerOutput against the current request state
+and returns what to do; `apply` is the only place request state changes, so a rejected step changes
+nothing. Plain Python, no MLX.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from typing import Mapping
 
 from sidecar.errors import ProtocolError
 from sidecar.protocol import SchedulerOutput
 from sidecar.runner.placeholders import PLACEHOLDER, check_placeholder
-from sidecar.runner.spec_decode import check_drafts, check_no_stray_drafts
-from sidecar.sampling_params import SamplingParams
+from sidecar.runner.state import RequestState, Row, StepPlan
 
-
-@dataclass
-class RequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]  # the first KV cache group's block table
-    num_computed_tokens: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    lora_request: dict | None = None
-    first_seen: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    preempted: bool = False  # listed in preempted_req_ids: a new request may take over its id (v2)
-    prompt_lp_parts: list = field(default_factory=list)  # prompt_logprobs_whole: chunks so far
-    other_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.. (empty: one table for all)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def lora_id(self) -> int:
-        return int(self.lora_request["lora_int_id"]) if self.lora_request else 0
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids[start:] if start < n else []) + self.output_token_ids[max(start - n, 0) : end - n]
-
-
-@dataclass
-class Row:
-    """One request's share of a step: compute tokens [start, start+len(token_ids))."""
-
-    state: RequestState
-    start: int
-    token_ids: list[int]
-    block_ids: list[int]
-    sample: bool  # the chunk reaches the end of the known tokens
-    num_draft: int = 0  # the last num_draft token_ids are draft tokens to verify (spec_decode.py)
-    other_block_ids: list[list[int]] = field(default_factory=list)
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
-
-    def tables(self, num_groups: int) -> list[list[int]]:
-        """One block table per KV cache group (a single table sent for all groups serves them all)."""
-        return [self.block_ids, *self.other_block_ids] if self.other_block_ids else [self.block_ids] * num_groups
-
-
-@dataclass
-class StepPlan:
-    finished: list[str]
-    new_states: list[RequestState]
-    # cached requests: (state, new block tables (one per group sent), new output tokens or None)
-    updates: list[tuple[RequestState, list[list[int]], list[int] | None]]
-    rows: list[Row]
-    preempted: list[str] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-
+_DRAFTS = "scheduled_spec_decode_tokens"
 _NO_DRAFTS = "speculative decoding is not offered for models with recurrent state (a rejected draft cannot be undone)"
 
 
@@ -86,6 +21,28 @@ def _groups(groups: list[list[int]], path: str, num_groups: int) -> list[list[in
         want = "1" if num_groups == 1 else f"1 (shared by all groups) or {num_groups}"
         raise ProtocolError(f"expected {want} KV cache group block lists, got {len(groups)}", field=path)
     return groups
+
+
+def _check_drafts(spec: Mapping[str, list[int]], rid: str, start: int, n: int, num_tokens: int,
+                 vocab_size: int) -> list[int]:
+    """The request's drafts (spec_decode.py), checked: ids in the vocabulary, and the scheduled span is exactly
+    [start, num_tokens + k) with at least the last known token in it."""
+    drafts = spec.get(rid) or []
+    for j, t in enumerate(drafts):
+        if not 0 <= t < vocab_size:
+            raise ProtocolError(f"draft token id {t} outside [0, {vocab_size})", field=f"{_DRAFTS}.{rid}[{j}]")
+    k = len(drafts)
+    if k and (start + n != num_tokens + k or n <= k):
+        raise ProtocolError(
+            f"{k} drafts for {rid!r} need num_scheduled_tokens = known tokens ({num_tokens}) - num_computed_tokens "
+            f"({start}) + {k} = {num_tokens - start + k}, got {n}", field=f"num_scheduled_tokens.{rid}")
+    return list(drafts)
+
+
+def _check_no_stray_drafts(spec: Mapping[str, list[int]], scheduled: set[str]) -> None:
+    for rid in sorted(spec):
+        if rid not in scheduled and spec[rid]:
+            raise ProtocolError(f"drafts for {rid!r}, which is not scheduled in this step", field=f"{_DRAFTS}.{rid}")
 
 
 def plan_step(
@@ -98,10 +55,6 @@ def plan_step(
     `state_groups`: the groups of recurrent layers (None: the model has none). Their state lives in
     the request's first block of the group; it cannot be recovered from blocks, so such a model
     computes every request from position 0 (no prefix caching) and in order."""
-    fast = _decode_plan.decode_plan(requests, out, num_blocks=num_blocks, block_size=block_size,
-                                    max_model_len=max_model_len, state_groups=state_groups, num_groups=num_groups)
-    if fast is not None:  # a step that only continues cached requests (decode_plan.py)
-        return fast
     recurrent = state_groups is not None
     finished = set(out.finished_req_ids)  # unknown finished ids are ignored, as vLLM's runner does
     live = {rid for rid in requests if rid not in finished}
@@ -174,9 +127,9 @@ def plan_step(
         if known_ids is not nr.prompt_token_ids:
             check_tokens(known_ids[len(nr.prompt_token_ids):], f"{path}.prefill_token_ids")
         start, end = nr.num_computed_tokens, nr.num_computed_tokens + n
-        drafts = check_drafts(out.scheduled_spec_decode_tokens, nr.req_id, start, n, len(known_ids), vocab_size)
+        drafts = _check_drafts(out.scheduled_spec_decode_tokens, nr.req_id, start, n, len(known_ids), vocab_size)
         if recurrent and drafts:
-            raise ProtocolError(_NO_DRAFTS, field=f"scheduled_spec_decode_tokens.{nr.req_id}")
+            raise ProtocolError(_NO_DRAFTS, field=f"{_DRAFTS}.{nr.req_id}")
         if start < 0 or end - len(drafts) > len(known_ids):
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the {len(known_ids)} known tokens",
@@ -224,9 +177,9 @@ def plan_step(
             check_tokens(outputs, f"{path}.new_token_ids[{i}]")
         num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids if outputs is None else outputs)
         end = start + n
-        drafts = check_drafts(out.scheduled_spec_decode_tokens, rid, start, n, num_tokens, vocab_size)
+        drafts = _check_drafts(out.scheduled_spec_decode_tokens, rid, start, n, num_tokens, vocab_size)
         if recurrent and drafts:
-            raise ProtocolError(_NO_DRAFTS, field=f"scheduled_spec_decode_tokens.{rid}")
+            raise ProtocolError(_NO_DRAFTS, field=f"{_DRAFTS}.{rid}")
         if start < 0 or end - len(drafts) > num_tokens:
             raise ProtocolError(
                 f"tokens [{start}, {end}) run past the {num_tokens} known tokens of {rid!r}",
@@ -258,7 +211,7 @@ def plan_step(
         toks = state.tokens(start, known) if outputs is None else (state.prompt_token_ids + outputs)[start:known]
         rows.append(Row(state, start, toks + drafts, tables[0], known == num_tokens, len(drafts), tables[1:]))
 
-    check_no_stray_drafts(out.scheduled_spec_decode_tokens, seen)
+    _check_no_stray_drafts(out.scheduled_spec_decode_tokens, seen)
     extra = set(out.num_scheduled_tokens) - seen
     if extra:
         rid = sorted(extra)[0]
@@ -287,5 +240,3 @@ def apply(requests: dict[str, RequestState], plan: StepPlan) -> None:
     for row in plan.rows:
         row.state.num_computed_tokens = row.end
 
-
-from sidecar.runner import decode_plan as _decode_plan  # noqa: E402 (it builds this module's types)

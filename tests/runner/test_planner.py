@@ -6,7 +6,8 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.protocol import SchedulerOutput
-from sidecar.runner.requests import RequestState, apply, plan_step
+from sidecar.runner.planner import apply, plan_step
+from sidecar.runner.state import RequestState
 from sidecar.runner.sampler import SamplingParams
 
 BS, NB, VOCAB = 4, 10, 50
@@ -63,6 +64,20 @@ def test_cached_request_appends_blocks(reqs) -> None:
     assert reqs["a"].block_ids == [0, 1, 4]
 
 
+@pytest.mark.parametrize("computed, n, stated, added, want", [
+    (6, 1, [], None, [7]),  # a plain decode
+    (6, 1, [-1], None, [7]),  # the pipelined placeholder for the last sampled token
+    (6, 1, [], [[4]], [7]),  # with a new block
+    (5, 2, [], None, [6, 7]),  # a recompute of the last two tokens
+])
+def test_decode_steps_are_planned(reqs, computed: int, n: int, stated: list, added, want: list[int]) -> None:
+    p = plan(reqs, so(cached=dict(cached(["a"], [computed], [added]), new_token_ids=[stated]), nst={"a": n}))
+    (row,) = p.rows
+    assert (row.start, row.token_ids, row.sample, row.num_draft) == (computed, want, True, 0)
+    apply(reqs, p)
+    assert reqs["a"].num_computed_tokens == 7 and reqs["a"].block_ids == [0, 1] + (added[0] if added else [])
+
+
 def test_finished_first_then_same_id_may_be_new(reqs) -> None:
     p = plan(reqs, so([new("a", [9, 9], [3])], nst={"a": 2}, finished=["a", "never-seen"]))
     apply(reqs, p)
@@ -85,6 +100,15 @@ def test_finished_first_then_same_id_may_be_new(reqs) -> None:
     (lambda: so(cached=cached(["a"], [0], [[[5]]], resumed=["a"]), nst={"a": 7}), "scheduled_cached_reqs.new_block_ids[0]"),
     (lambda: so(cached=cached(["a"], [0], None, resumed=["a"]), nst={"a": 1}), "scheduled_cached_reqs.new_block_ids[0]"),
     (lambda: so(preempted=["zz"]), "preempted_req_ids[0]"),
+    # decode steps (cached requests only)
+    (lambda: so(cached=cached(["a", "a"], [6, 6]), nst={"a": 1}), "scheduled_cached_reqs.req_ids[1]"),
+    (lambda: so(cached=cached(["a"], [6]), nst={"a": 0}), "num_scheduled_tokens.a"),
+    (lambda: so(cached=cached(["a"], [-1]), nst={"a": 1}), "scheduled_cached_reqs.num_computed_tokens[0]"),
+    (lambda: so(cached=dict(cached(["a"], [5]), new_token_ids=[[-1]]), nst={"a": 2}),
+     "scheduled_cached_reqs.new_token_ids[0]"),  # a placeholder stands for the last token only
+    (lambda: so(cached=cached(["a"], [6], [[[NB]]]), nst={"a": 1}), "scheduled_cached_reqs.new_block_ids[0][2]"),
+    (lambda: so(cached=cached(["a"], [6], [[[-1]]]), nst={"a": 1}), "scheduled_cached_reqs.new_block_ids[0][2]"),
+    (lambda: so(cached=cached(["a"], [6], [[[3], [4]]]), nst={"a": 1}), "scheduled_cached_reqs.new_block_ids[0]"),
 ])
 def test_violations_are_rejected_and_change_nothing(reqs, make, field: str) -> None:
     before = copy.deepcopy(reqs)
