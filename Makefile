@@ -68,7 +68,7 @@ fuzz: install
 BENCH_BLAS ?= bundled
 bench: install
 	sh scripts/ensure-openblas.sh
-	MLX_SIDECAR_BLAS=$(BENCH_BLAS) $(VENV)/bin/mlx-sidecar bench $(ARGS)
+	MLX_SIDECAR_BLAS=$(BENCH_BLAS) $(PY) -m bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,5 +1,5 @@
 #!/usr/bin/env sh
-# An optimised BLAS for `make bench` on Linux (sidecar/blas.py preloads it in place of the
+# An optimised BLAS for `make bench` on Linux (bench/blas.py preloads it in place of the
 # reference BLAS the mlx[cpu] wheel bundles): Debian's libopenblas0-pthread, installed only when no
 # OpenBLAS is found. Never fails: without apt (or its rights) the bench runs on the bundled BLAS and
 # its table head says so. Nothing to do on macOS (MLX uses Accelerate and Metal).

@@ -1,4 +1,4 @@
-"""`mlx-sidecar serve | generate | model-dir | bench`: every Config field is a `serve` flag (--field-name)."""
+"""`mlx-sidecar serve | generate | model-dir`: every Config field is a `serve` flag (--field-name)."""
 
 from __future__ import annotations
 
@@ -91,25 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--dest", default=None, help="write only config + tokenizer files here (no MLX needed for built-ins)")
     md.add_argument("--home", default=None)
 
-    bench = sub.add_parser("bench", help="benchmark the sidecar against mlx-lm side by side")
-    bench.add_argument("--model", default="builtin:small")
-    bench.add_argument("--quick", action="store_true")
-    bench.add_argument("--json", dest="json_path", default="bench-results/bench.json")
-    bench.add_argument("--plot", dest="plot_path", default="bench-results/throughput.png")
-    bench.add_argument("--home", default=None)
-    bench.add_argument("--only", default=None, metavar="STAGES",
-                       help='a comma-separated subset of the stages, e.g. "tiny single stream,long context"')
-    bench.add_argument("--scale-out", action="store_true",
-                       help="only the scale-out scenario: 1 rank vs TP=2 / PP=2 over loopback")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None and args.command == "bench":  # the command line itself, not a caller's argv
-        from sidecar import blas
-
-        blas.reexec("bundled")  # MLX_SIDECAR_BLAS overrides; the servers the bench starts inherit it
     if args.command == "serve":
         try:
             cfg = config_from_args(args)
@@ -133,17 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mlx-sidecar: {e}", file=sys.stderr)
             return 2
         return 0
-    if args.command == "generate":
-        from sidecar.scheduler.generate import generate_cli
+    from sidecar.scheduler.generate import generate_cli
 
-        return generate_cli(args)
-    if args.scale_out:
-        from sidecar.bench.group import group_bench_cli
-
-        return group_bench_cli(args.home, args.quick, args.json_path)
-    from sidecar.bench import bench_cli
-
-    return bench_cli(args)
+    return generate_cli(args)
 
 
 if __name__ == "__main__":

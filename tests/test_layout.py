@@ -1,4 +1,5 @@
-"""The layout stays honest: no import circle among sidecar's modules, no file under sidecar/ over 400 lines."""
+"""The layout stays honest: no import circle among the modules of sidecar/ and bench/, no file there over
+400 lines, and the serving package never imports the bench."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "sidecar"
+BENCH = ROOT.parent / "bench"
+PACKAGES = (ROOT, BENCH)
 MAX_LINES = 400
 
 # Still expected while the redesign is under way; the list may only shrink (a stale entry fails).
@@ -21,24 +24,28 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the sidecar modules it imports (top-level and inside functions)."""
-    modules = {module_name(p): p for p in root.rglob("*.py")}
+def imported_names(path: Path) -> list[str]:
+    """Every absolute import in a file (top-level and inside functions); `from pkg import sub` names pkg.sub."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def import_graph(roots: tuple[Path, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of `roots` it imports."""
+    modules = {module_name(p): p for root in roots for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # `from pkg import sub` names the submodule; `from mod import name` names mod.
-                names = [f"{node.module}.{a.name}" for a in node.names]
-            for name in names:
-                # The longest known module the name denotes (`from pkg import sub` names pkg.sub).
-                while name and name not in modules:
-                    name = name.rpartition(".")[0]
-                if name and name != mod and name.startswith("sidecar"):
-                    graph[mod].add(name)
+        for name in imported_names(path):
+            # The longest known module the name denotes (`from mod import name` names mod).
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != mod:
+                graph[mod].add(name)
     return graph
 
 
@@ -77,8 +84,8 @@ def cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
     return out
 
 
-def long_files(root: Path = ROOT) -> set[str]:
-    return {str(p.relative_to(root.parent)) for p in root.rglob("*.py")
+def long_files(roots: tuple[Path, ...] = PACKAGES) -> set[str]:
+    return {str(p.relative_to(root.parent)) for root in roots for p in root.rglob("*.py")
             if len(p.read_text(encoding="utf-8").splitlines()) > MAX_LINES}
 
 
@@ -98,3 +105,10 @@ def test_no_file_over_400_lines() -> None:
     found = long_files()
     assert found - KNOWN_LONG == set(), f"over {MAX_LINES} lines: {sorted(found - KNOWN_LONG)}"
     assert KNOWN_LONG - found == set(), f"no longer over, remove from KNOWN_LONG: {sorted(KNOWN_LONG - found)}"
+
+
+def test_the_serving_package_never_imports_the_bench() -> None:
+    """bench/ is a development tool next to the package, not installed with it."""
+    found = {f"{p.relative_to(ROOT.parent)}: {name}" for p in ROOT.rglob("*.py") for name in imported_names(p)
+             if name == BENCH.name or name.startswith(BENCH.name + ".")}
+    assert not found, f"sidecar/ imports the bench: {sorted(found)}"

@@ -1,11 +1,11 @@
-"""`mlx-sidecar bench --scale-out` (sidecar/bench/group.py) on real servers: a 1-rank run and a
+"""`python -m bench --scale-out` (bench/group.py) on real servers: a 1-rank run and a
 TP=2 group of the same model, the group's tokens checked against the 1-rank run."""
 
 from __future__ import annotations
 
 import pytest
 
-from sidecar.bench.group import CONFIGS, render, run_group_bench
+from bench.group import CONFIGS, render, run_group_bench
 
 pytestmark = pytest.mark.distributed
 

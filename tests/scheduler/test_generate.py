@@ -9,29 +9,29 @@ from tests.conftest import mlx_lm_greedy
 from tests.server.serverproc import start_server
 
 
+def _generate(*argv: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "sidecar", "generate", *argv], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> None:
     """`mlx-sidecar generate` against a fresh server (it drives the lifecycle itself) prints the
-    text of exactly mlx-lm's greedy tokens."""
+    text of exactly mlx-lm's greedy tokens; a sampled run differs, pipelined runs do not."""
     tok = load_tokenizer(str(resolve_model("builtin:tiny", home)))
     prompt = "hello"
     want_ids, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), tok.encode(prompt).ids, 12)
     if 1 in want_ids:  # eos (id 1 in the built-in tokenizer) stops the scheduler
         want_ids = want_ids[: want_ids.index(1) + 1]
     want = tok.decode(want_ids, skip_special_tokens=True)
-    with start_server() as s:
-        out = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12", "--no-chat", prompt],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout == want + "\n"
+    with start_server("--max-num-batched-tokens", "64", "--max-num-seqs", "4") as s:  # a quick profile run
+        flags = ["--url", s.url, "--max-tokens", "12", "--no-chat", prompt]
+        out = _generate(*flags)
+        assert out == want + "\n"
         assert want.strip()
-        again = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12",
-                                "--temperature", "1.0", "--seed", "5", "--no-chat", prompt], capture_output=True, text=True, timeout=120)
-        assert again.returncode == 0 and again.stdout != out.stdout
+        assert _generate(*flags, "--temperature", "1.0", "--seed", "5") != out
         for conns in ("1", "2"):  # two steps in flight: the same greedy text
-            piped = subprocess.run([sys.executable, "-m", "sidecar", "generate", "--url", s.url, "--max-tokens", "12",
-                                    "--pipeline", conns, "--no-chat", prompt], capture_output=True, text=True, timeout=120)
-            assert piped.returncode == 0, piped.stderr
-            assert piped.stdout == out.stdout
+            assert _generate(*flags, "--pipeline", conns) == out
 
 
 def test_generate_answers_a_question_with_the_real_model_and_its_chat_template(home: str) -> None:

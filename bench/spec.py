@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sidecar import blas
-from sidecar.bench.sides import RunResult, SidecarSide, requests_for
+from bench import blas
+from bench.sides import RunResult, SidecarSide, requests_for
 from sidecar.runner.ngram import ngram_drafts
 from sidecar.scheduler import Event
 
@@ -60,7 +60,7 @@ def _rate(events: list[tuple[float, int]]) -> float:
 
 def _fast_blas_env() -> dict[str, str] | None:
     """The environment for servers on an installed OpenBLAS, when this process is on the bundled
-    BLAS and one is installed (sidecar/blas.py); None otherwise (already on it, or none)."""
+    BLAS and one is installed (bench/blas.py); None otherwise (already on it, or none)."""
     lib = blas.find_openblas() if sys.platform.startswith("linux") else None
     if lib is None or lib in os.environ.get("LD_PRELOAD", "").split():
         return None

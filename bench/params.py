@@ -1,4 +1,4 @@
-"""Workload sizes for `mlx-sidecar bench`: the full run, `--quick`, the issue's exact sizes, and tiny (tests).
+"""Workload sizes for the bench (`python -m bench`): the full run, `--quick`, the issue's exact sizes, and tiny (tests).
 
 MLX's CPU backend runs builtin:small at ~30-35 tokens/s whatever the batch (prefill and decode
 alike: it is compute-bound at a few GFLOPS), so the issue's literal batch workload (32 prompts of

@@ -8,8 +8,8 @@ LD_PRELOAD only when a process starts: `reexec` restarts the command once with i
 process it starts (the bench's servers) inherits it, so both sides of a comparison share it.
 
 MLX_SIDECAR_BLAS chooses: `auto` (an OpenBLAS installed on the machine, else the bundled BLAS),
-`bundled` (never preload, the default), or the path of a BLAS library; read by `mlx-sidecar bench`
-only (a measurement aid: serving never swaps the BLAS). Elsewhere (macOS: Accelerate, Metal)
+`bundled` (never preload, the default), or the path of a BLAS library; read by the bench
+(`python -m bench`) only (a measurement aid: serving never swaps the BLAS). Elsewhere (macOS: Accelerate, Metal)
 nothing is preloaded.
 """
 

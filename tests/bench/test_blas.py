@@ -1,4 +1,4 @@
-"""sidecar/blas.py: choosing the CPU BLAS, preloading it by restarting the command, and naming
+"""bench/blas.py: choosing the CPU BLAS, preloading it by restarting the command, and naming
 the library libmlx's cblas_sgemm really binds to. No OpenBLAS needed: the restart is exercised
 with the wheel's own BLAS file as the library to preload."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from sidecar import blas
+from bench import blas
 from tests.server.serverproc import ROOT
 
 CPU_LINUX = sys.platform == "linux" and not mx.metal.is_available()
@@ -82,7 +82,7 @@ def test_this_process_multiplies_with_the_bundled_blas() -> None:
 
 _PROBE = textwrap.dedent("""
     import json, os, sys
-    from sidecar import blas
+    from bench import blas
     blas.reexec(sys.argv[1])
     print(json.dumps({"preload": os.environ.get("LD_PRELOAD"), "blas": blas.describe()}))
 """)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sidecar.bench.params import BenchParams
-from sidecar.bench.sides import MlxLmSide, RunResult, ServerProcess, SidecarSide, requests_for
+from bench.params import BenchParams
+from bench.sides import MlxLmSide, RunResult, ServerProcess, SidecarSide, requests_for
 from sidecar.scheduler import Scheduler
 
 perf = time.perf_counter

@@ -1,4 +1,4 @@
-"""`mlx-sidecar bench`: the sidecar (a real server subprocess, driven over HTTP by the reference
+"""The bench run: the sidecar (a real server subprocess, driven over HTTP by the reference
 scheduler) against mlx-lm (in this process) on the same model, greedy, same prompts, eos ignored.
 
 Scenarios (headline keys in the JSON): single_stream_ratio, batch32_ratio, rpc_overhead_ms_p50 /
@@ -21,13 +21,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar import blas
-from sidecar.bench import pool_sampling, report, scenarios, spec, workloads
-from sidecar.bench.cpu import CpuMeter
-from sidecar.bench.params import BenchParams, from_cli
-from sidecar.bench.report import REQUIRED_KEYS, table
-from sidecar.bench.sides import MlxLmSide, ServerProcess, SidecarSide
-from sidecar.bench.vllm_engine import vllm_engine
+from bench import blas, pool_sampling, report, scenarios, spec, workloads
+from bench.cpu import CpuMeter
+from bench.params import BenchParams, from_cli
+from bench.report import REQUIRED_KEYS, table
+from bench.sides import MlxLmSide, ServerProcess, SidecarSide
+from bench.vllm_engine import vllm_engine
 
 __all__ = ["BenchParams", "REQUIRED_KEYS", "bench_cli", "run_bench"]
 
@@ -62,7 +61,7 @@ def machine_info() -> dict[str, Any]:
     # BLAS, whose matmul cost grows with every row; a preloaded one takes its place (README:
     # "Speculative decoding and the CPU BLAS"). numpy's own OpenBLAS (numpy.libs) is not MLX's.
     info["ld_preload"] = os.environ.get("LD_PRELOAD") or None
-    info["blas"] = blas.describe()  # the library libmlx's cblas_sgemm binds to (sidecar/blas.py)
+    info["blas"] = blas.describe()  # the library libmlx's cblas_sgemm binds to (bench/blas.py)
     try:
         with open("/proc/self/maps") as f:
             info["blas_libraries"] = sorted({ln.split()[-1] for ln in f if "blas" in ln.rsplit("/", 1)[-1]
@@ -102,8 +101,9 @@ def versions() -> dict[str, str]:
     try:
         out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                                     cwd=here).stdout.strip()
-        # Uncommitted changes under sidecar/ at the start: the figures are for that tree, not the commit.
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], capture_output=True,
+        # Uncommitted changes under sidecar/ or bench/ at the start: the figures are for that tree, not the commit.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent / "sidecar"), str(here)],
+                               capture_output=True,
                                text=True, timeout=5, cwd=here).stdout.split("\n")
         out["git_dirty"] = " ".join(sorted(line[3:] for line in dirty if line.strip()))
     except (OSError, subprocess.SubprocessError):
@@ -290,18 +290,18 @@ def bench_cli(args: argparse.Namespace) -> int:
         params = from_cli(bool(getattr(args, "quick", False)), model=args.model, home=getattr(args, "home", None))
         only = _only(getattr(args, "only", None))
     except ValueError as e:
-        print(f"mlx-sidecar bench: {e}", file=sys.stderr)
+        print(f"bench: {e}", file=sys.stderr)
         return 2
     try:
         doc = run_bench(params, only=only)
     except KeyboardInterrupt:
-        print("mlx-sidecar bench: interrupted", file=sys.stderr)
+        print("bench: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one line for the user, the servers are already stopped
         import traceback
 
         traceback.print_exc()
-        print(f"mlx-sidecar bench: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"bench: failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     json_path = report.write_json(args.json_path, doc)
     title = f"{doc['model']} - {doc['backend_label']} - {doc['machine'].get('cpu', '')} ({doc['profile']})"

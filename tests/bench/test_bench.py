@@ -1,4 +1,4 @@
-"""Smoke test of `mlx-sidecar bench`: the whole harness on builtin:tiny with tiny sizes.
+"""Smoke test of the bench (`python -m bench`): the whole harness on builtin:tiny with tiny sizes.
 
 Not a timing test: it checks that every scenario runs (a real server subprocess and mlx-lm), that
 the JSON carries every headline key with a finite value, and that the table and the plot are made.
@@ -11,16 +11,16 @@ import math
 
 import pytest
 
-from sidecar.bench.params import PROFILE_ENV, from_cli, quick, tiny
-from sidecar.bench.report import GOALS, REQUIRED_KEYS, table
-from sidecar.cli import main
+from bench.params import PROFILE_ENV, from_cli, quick, tiny
+from bench.report import GOALS, REQUIRED_KEYS, table
+from bench.__main__ import main
 
 
 def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPatch,
                                capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv(PROFILE_ENV, "tiny")
     json_path, png_path = tmp_path / "out" / "bench.json", tmp_path / "out" / "throughput.png"
-    rc = main(["bench", "--model", "builtin:tiny", "--home", home, "--json", str(json_path), "--plot", str(png_path)])
+    rc = main(["--model", "builtin:tiny", "--home", home, "--json", str(json_path), "--plot", str(png_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
 
@@ -50,7 +50,7 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     for word in ("scenario", "sidecar", "mlx-lm", "ratio", "goal", "result"):
         assert word in out
     # The `_bundled` speculative figures exist only where an OpenBLAS was there to compare with.
-    from sidecar.bench.spec import _fast_blas_env
+    from bench.spec import _fast_blas_env
 
     assert doc["spec_openblas_pair"] == (_fast_blas_env() is not None)
     _check_spec_figures(doc, out)
@@ -91,22 +91,21 @@ def _check_spec_figures(doc: dict, out: str) -> None:
     assert doc["spec_blas_short"] == ("OpenBLAS" if doc["spec_openblas_pair"] else doc["machine"]["blas"]["name"])
 
 
-@pytest.mark.parametrize("pair", [False, True], ids=["no-openblas", "openblas-pair"])
-def test_bench_speculative_with_and_without_an_openblas(pair: bool, home: str, tmp_path,
-                                                        monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture) -> None:
-    """Both states of the machine, whatever this one has installed: the pair's servers preload a
+def test_bench_speculative_in_the_other_state_of_the_machine(home: str, tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """Both states of the machine, whatever this one has installed: test_bench_tiny_end_to_end runs
+    the one it is in (an OpenBLAS installed or not), this the other. The pair's servers preload a
     real BLAS library (the wheel's own where no OpenBLAS is installed: the code path is the same)."""
-    from sidecar import blas
-    from sidecar.bench import spec
+    from bench import blas, spec
 
+    pair = spec._fast_blas_env() is None
     lib = blas.find_openblas() or blas.bound_library()
     if pair and lib is None:
         pytest.skip("no BLAS library file to preload (macOS: Accelerate)")
     monkeypatch.setattr(spec, "_fast_blas_env", lambda: blas.preload_env({}, lib) if pair else None)
     monkeypatch.setenv(PROFILE_ENV, "tiny")
     json_path = tmp_path / "bench.json"
-    rc = main(["bench", "--model", "builtin:tiny", "--home", home, "--only", "speculative",
+    rc = main(["--model", "builtin:tiny", "--home", home, "--only", "speculative",
                "--json", str(json_path), "--plot", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -131,7 +130,7 @@ def test_machine_info_names_the_blas_mlx_multiplies_with(monkeypatch: pytest.Mon
 
     import mlx.core as mx
 
-    from sidecar.bench import machine_info
+    from bench.run import machine_info
 
     mx.eval(mx.ones((2, 3)) @ mx.ones((3, 2)))
     monkeypatch.setenv("LD_PRELOAD", "/nonexistent/libopenblas.so.0")
@@ -145,7 +144,7 @@ def test_machine_info_names_the_blas_mlx_multiplies_with(monkeypatch: pytest.Mon
 
 
 def test_only_names_a_subset_of_the_stages_and_refuses_unknown_ones():
-    from sidecar.bench import STAGES, _only
+    from bench.run import STAGES, _only
 
     assert _only(None) is None and _only("") is None
     assert _only("tiny single stream, long context") == frozenset({"tiny single stream", "long context"})

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sidecar.bench.scenarios import Bench, median, mixed_sampling, record_device_idle, record_round_trip_idle
-from sidecar.bench.sides import SidecarSide, requests_for
+from bench.scenarios import Bench, median, mixed_sampling, record_device_idle, record_round_trip_idle
+from bench.sides import SidecarSide, requests_for
 
 
 # ---------------------------------------------------------------- 5. pool size

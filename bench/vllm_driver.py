@@ -1,4 +1,4 @@
-"""Run by `mlx-sidecar bench` inside the vLLM venv: vLLM's engine (offline LLM, our worker class)
+"""Run by the bench (vllm_engine.py) inside the vLLM venv: vLLM's engine (offline LLM, our worker class)
 drives a given sidecar over a given workload; prints the timings as JSON. Imports no MLX.
 
 stdin: {"url", "model_dir", "prompts": [[int]], "max_tokens", "max_num_seqs", "max_num_batched_tokens",

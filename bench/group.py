@@ -1,4 +1,4 @@
-"""`mlx-sidecar bench --scale-out`: the same greedy workload on 1 rank and on a 2-rank group
+"""`python -m bench --scale-out`: the same greedy workload on 1 rank and on a 2-rank group
 (tensor parallel, pipeline parallel) over loopback, through real servers and the reference
 scheduler. Reports tokens/s, the mean step time and, per step, the time rank 0 spends in the
 group's own collectives (the call broadcast and the token share; the model's all-reduces or
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.bench.sides import ServerProcess, SidecarSide, free_port, requests_for
+from bench.sides import ServerProcess, SidecarSide, free_port, requests_for
 
 NOTE = ("scale-out on one machine: both ranks share its cores and talk over loopback, so this is about "
         "correctness and per-step overhead, not speed-up")

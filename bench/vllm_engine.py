@@ -12,12 +12,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.blas import without_preload  # the driver runs no MLX: torch keeps its own BLAS
-from sidecar.bench.scenarios import Bench, batch_lengths, median
-from sidecar.bench.sides import SidecarSide, requests_for
+from bench.blas import without_preload  # the driver runs no MLX: torch keeps its own BLAS
+from bench.scenarios import Bench, batch_lengths, median
+from bench.sides import SidecarSide, requests_for
 from sidecar.models.export import model_dir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def vllm_python() -> Path | None:
@@ -46,7 +46,7 @@ def vllm_engine(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) ->
                "max_num_batched_tokens": p.max_num_batched_tokens, "kv_cache_memory_bytes": kv_bytes,
                "max_model_len": p.batch_prompt_max + p.batch_new_tokens + 16, "repeats": p.batch_repeats}
         b.log(f"vllm engine: starting vLLM ({py}) against {side.server.url}")
-        r = subprocess.run([str(py), "-m", "sidecar.vllm.bench_driver"], input=json.dumps(req), capture_output=True,
+        r = subprocess.run([str(py), "-m", "bench.vllm_driver"], input=json.dumps(req), capture_output=True,
                            text=True, cwd=ROOT, timeout=1800, env={**without_preload(os.environ), "PYTHONPATH": str(ROOT)})
     if r.returncode != 0:
         b.notes.append(f"vllm engine: vLLM failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")

@@ -27,9 +27,9 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from sidecar.bench.cpu import _own_seconds
-from sidecar.bench.scenarios import Bench, alternate, decode_rate, median
-from sidecar.bench.sides import MlxLmSide, RunResult, SidecarSide, requests_for
+from bench.cpu import _own_seconds
+from bench.scenarios import Bench, alternate, decode_rate, median
+from bench.sides import MlxLmSide, RunResult, SidecarSide, requests_for
 
 PairFor = Callable[..., tuple[SidecarSide, MlxLmSide]]  # (model, blocks[, kv_dtype])
 
@@ -132,7 +132,7 @@ def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int,
     base = cached
 
     def run(new_tokens: int) -> RunResult:
-        from sidecar.bench.sides import perf
+        from bench.sides import perf
         from mlx_lm import stream_generate
 
         toks: list[int] = []
