@@ -82,6 +82,8 @@ class Connection:
             sock.close()
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> None:
+        if method == "HEAD":  # (the parser would read the reply's Content-Length as a body to come)
+            raise ValueError("HEAD is not supported")
         if self.sock is None:
             self.connect()
         parts = [f"{method} {path} HTTP/1.1\r\nhost: {self._host_header}\r\n"]
