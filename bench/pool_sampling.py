@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from bench.scenarios import Bench, median, mixed_sampling, record_device_idle, record_round_trip_idle
+from bench.scenarios import Bench, median, mixed_sampling
 from bench.sides import SidecarSide, requests_for
 
 
@@ -76,21 +76,16 @@ def sampling(b: Bench) -> None:
     n = p.sampling_rows
     steps: dict[str, list[float]] = {"greedy": [], "mixed": []}
     w = b.sidecar.worker
-    # The device's idle time per decode step, and the decode-ahead's use (rows), per kind.
-    idle: dict[str, list] = {"greedy": [0.0, 0], "mixed": [0.0, 0]}
+    # The decode-ahead's use (rows), per kind.
     ahead: dict[str, list[int]] = {"greedy": [0, 0], "mixed": [0, 0]}
-    rt0 = w.device_idle_round_trip(n)
     for i in range(p.sampling_repeats):
         for kind in (("greedy", "mixed") if i % 2 == 0 else ("mixed", "greedy")):
             params = mixed_sampling(n) if kind == "mixed" else None
             n0 = len(w.records)
-            d0, a0 = w.device_idle(n), w.ahead_counts()
+            a0 = w.ahead_counts()
             b.sidecar.run(requests_for(b.prompts([p.sampling_prompt_len] * n), p.sampling_steps + 1, params),
                           tag=f"sampling_{kind}", max_num_seqs=n, probe=True)
-            d1, a1 = w.device_idle(n), w.ahead_counts()
-            if d0 is not None and d1 is not None:
-                idle[kind][0] += d1[0] - d0[0]
-                idle[kind][1] += d1[1] - d0[1]
+            a1 = w.ahead_counts()
             if a0 is not None and a1 is not None:
                 ahead[kind] = [ahead[kind][0] + a1[0] - a0[0], ahead[kind][1] + a1[1] - a0[1]]
             recs = [r for r in w.records[n0:] if r.decode and r.rows == n][1:]
@@ -102,11 +97,4 @@ def sampling(b: Bench) -> None:
                      sampling_rows=n)
     for kind in ("greedy", "mixed"):  # rows whose decode forward was computed ahead / computed for nothing
         b.results[f"sampling_{kind}_ahead_hits"], b.results[f"sampling_{kind}_ahead_misses"] = ahead[kind]
-    for kind in ("greedy", "mixed"):
-        if idle[kind][1]:
-            b.results[f"device_idle_ms_per_step_b{n}_{kind}"] = idle[kind][0] / idle[kind][1] * 1e3
-    record_round_trip_idle(b, f"b{n}", rt0, w.device_idle_round_trip(n))
-    total = (idle["greedy"][0] + idle["mixed"][0], idle["greedy"][1] + idle["mixed"][1])
-    record_device_idle(b, f"b{n}", (0.0, 0) if total[1] else None, total if total[1] else None,
-                       median(steps["greedy"] + steps["mixed"]) / 1e3)
     b.raw["sampling_greedy_step_ms"], b.raw["sampling_mixed_step_ms"] = steps["greedy"], steps["mixed"]

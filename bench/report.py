@@ -31,11 +31,6 @@ GOALS = (
          "b1 {rpc_overhead_ms_p99_b1:.3f} / b64 {rpc_overhead_ms_p99_b64:.3f} ms", "-"),
     Goal("rpc_b1_mlx_idle_ms_per_step", "  b1: server MLX thread idle per step", "", math.nan,
          "{rpc_b1_mlx_idle_ms_per_step:.3f} ms (the overhead not hidden)", "-"),
-    Goal("device_idle_ms_per_step", "  device idle per decode step (worst batch)", "", math.nan,
-         "b1 {device_idle_ms_per_step_b1:.3f} / b64 {device_idle_ms_per_step_b64:.3f} ms "
-         "({device_idle_share_b1:.1%} / {device_idle_share_b64:.1%} of a step)", "-"),
-    Goal("device_idle_rt_ms_per_step_b1", "    of it in the round trip (sampled steps)", "", math.nan,
-         "b1 {device_idle_rt_ms_per_step_b1:.3f} / b64 {device_idle_rt_ms_per_step_b64:.3f} ms", "-"),
     Goal("rpc_null_ms_p50", "no-op rpc p50, back to back", "", math.nan,
          "after 30 ms idle: {rpc_null_after_idle_ms_p50:.3f} ms", "-"),
     Goal("msgpack_256_ms", "msgpack 256-req step enc+dec", "", math.nan,
@@ -121,7 +116,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         key = g.key
         value = results.get(key, math.nan)
         shown = f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
-        if key.startswith(("rpc_", "msgpack_", "device_idle_")):
+        if key.startswith(("rpc_", "msgpack_")):
             shown += " ms"
         goal = f"{g.op} {g.target:g}" if g.op else "-"
         if key not in results:  # a figure this run did not measure (a stage left out, a missing library)

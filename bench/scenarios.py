@@ -194,42 +194,13 @@ def sweep(b: Bench) -> None:
 
 def rpc_batch1_run(b: Bench) -> None:
     """A dedicated batch-1 decode run with the server's time known for every step; also how long
-    the server's MLX thread waited for calls per step (the round trip it did not overlap), and how
-    long the device idled per decode step (nothing queued or running; server/deviceidle.py)."""
+    the server's MLX thread waited for calls per step (the round trip it did not overlap)."""
     w = b.sidecar.worker
-    i0, d0, r0 = w.idle_seconds(), w.device_idle(1), w.device_idle_round_trip(1)
-    n0 = len(w.records)
+    i0 = w.idle_seconds()
     b.sidecar.run(requests_for([b.prompt(8)], b.params.rpc_b1_steps + 1), tag="rpc_b1", probe=True)
-    i1, d1, r1 = w.idle_seconds(), w.device_idle(1), w.device_idle_round_trip(1)
-    record_round_trip_idle(b, "b1", r0, r1)
+    i1 = w.idle_seconds()
     if i0 is not None and i1 is not None:
         b.results["rpc_b1_mlx_idle_ms_per_step"] = (i1 - i0) / (b.params.rpc_b1_steps + 1) * 1e3
-    steps = [r.server_s for r in w.records[n0:] if r.decode and r.rows == 1 and r.server_s is not None]
-    record_device_idle(b, "b1", d0, d1, median(steps))
-
-
-def record_device_idle(b: Bench, name: str, before: tuple[float, int] | None, after: tuple[float, int] | None,
-                       step_s: float) -> None:
-    """device_idle_ms_per_step_<name> (and its share of the step, `step_s`) from two /info readings."""
-    if before is None or after is None or after[1] <= before[1]:
-        b.notes.append(f"device idle ({name}): not measured (the server reports it on the CPU backend only)")
-        return
-    idle = (after[0] - before[0]) / (after[1] - before[1])
-    b.results[f"device_idle_ms_per_step_{name}"] = idle * 1e3
-    b.results[f"device_idle_steps_{name}"] = after[1] - before[1]
-    b.results[f"device_idle_share_{name}"] = idle / (step_s + idle) if step_s == step_s else float("nan")
-    prefix = "device_idle_ms_per_step_b"
-    worst = [v for k, v in b.results.items() if k.startswith(prefix) and k[len(prefix):].isdigit()]
-    b.results["device_idle_ms_per_step"] = max(worst)
-
-
-def record_round_trip_idle(b: Bench, name: str, before: tuple[float, int] | None,
-                           after: tuple[float, int] | None) -> None:
-    """device_idle_rt_ms_per_step_<name>: of a decode step's device idle, the part in the round trip
-    before it (server/deviceidle.py samples it), from two /info readings."""
-    if before is not None and after is not None and after[1] > before[1]:
-        b.results[f"device_idle_rt_ms_per_step_{name}"] = (after[0] - before[0]) / (after[1] - before[1]) * 1e3
-        b.results[f"device_idle_rt_steps_{name}"] = after[1] - before[1]
 
 
 def rpc_overhead(b: Bench) -> None:

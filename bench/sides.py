@@ -167,23 +167,6 @@ class TimedWorker(RemoteWorker):
         value = self.info().get("mlx_thread_idle_seconds")
         return float(value) if isinstance(value, (int, float)) else None
 
-    def device_idle(self, rows: int) -> tuple[float, int] | None:
-        """The server's device idle seconds over its decode steps of `rows` rows, and how many
-        steps (/info `device_idle`, cumulative; None: not measured there, e.g. off the CPU backend)."""
-        return self._device_idle(rows, "")
-
-    def device_idle_round_trip(self, rows: int) -> tuple[float, int] | None:
-        """Of that idle, the seconds in the round trips before the steps the server sampled, and how
-        many (/info `device_idle` `round_trip_*`)."""
-        return self._device_idle(rows, "round_trip_")
-
-    def _device_idle(self, rows: int, prefix: str) -> tuple[float, int] | None:
-        totals = self.info().get("device_idle")
-        if not isinstance(totals, dict):
-            return None
-        got = totals.get(str(rows)) or {}
-        return float(got.get(f"{prefix}seconds", 0.0)), int(got.get(f"{prefix}steps", 0))
-
     def ahead_counts(self) -> tuple[int, int] | None:
         """The server runner's decode-ahead (hits, misses), rows counted (/info `decode_ahead`)."""
         got = self.info().get("decode_ahead")

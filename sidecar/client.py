@@ -1,7 +1,7 @@
 """RemoteWorker: the MLXWorker interface over HTTP (msgpack), for schedulers written in Python.
 
-Uses one persistent connection (sidecar/http1.py: one send and one receive per call, the lowest
-per-call overhead we measured), and no dependency beyond msgpack. `http://host:port` and `unix:///path/to/socket` URLs are accepted.
+Uses one persistent connection (sidecar/http1.py: one send and one receive per call). `http://host:port`
+and `unix:///path/to/socket` URLs are accepted.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import msgpack
 
 from sidecar.errors import SidecarError
-from sidecar.http1 import Connection
+from sidecar.http1 import Connection, Response
 from sidecar.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 
 MSGPACK = "application/msgpack"
@@ -34,27 +34,34 @@ class RemoteError(SidecarError):
         return f"{self.status} {self.type}{where}: {self.message}"
 
 
-class UnixConnection(http.client.HTTPConnection):
-    """http.client over a Unix socket (for callers that want the standard library's client)."""
+def connect(url: str, timeout: float | None) -> Connection:
+    """A connection (not opened yet) to an `http://host:port` or `unix:///path` URL."""
+    u = urlparse(url)
+    if u.scheme == "unix":
+        return Connection(timeout=timeout, uds=u.path)
+    return Connection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout)
 
-    def __init__(self, path: str, timeout: float = 5.0):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+def result_of(resp: Response, data: bytes) -> Any:
+    """The wire result of an RPC reply, or RemoteError for an error envelope."""
+    payload = msgpack.unpackb(data, raw=False, strict_map_key=False) if data else {}
+    if resp.status != 200:
+        err = payload.get("error", {}) if isinstance(payload, dict) else {}
+        retry = resp.getheader("retry-after")
+        raise RemoteError(resp.status, err.get("type", "http_error"), err.get("message", data[:200].decode(errors="replace")),
+                          err.get("field"), float(retry) if retry else None)
+    return payload["result"]
+
+
+def exec_seconds(resp: Response) -> float | None:
+    """The server's own time for the call (Server-Timing: exec;dur=<ms>)."""
+    timing = resp.getheader("server-timing") or ""
+    return float(timing.split("dur=", 1)[1]) / 1e3 if "dur=" in timing else None
 
 
 # A reply lost on the way: the call may or may not have run.
-_LOST = (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest, http.client.IncompleteRead,
-         http.client.BadStatusLine, BrokenPipeError, TimeoutError, socket.timeout)
+_LOST = (ConnectionError, http.client.RemoteDisconnected, http.client.IncompleteRead, http.client.BadStatusLine,
+         BrokenPipeError, TimeoutError, socket.timeout)
 
 
 class RemoteWorker:
@@ -84,11 +91,7 @@ class RemoteWorker:
 
     def _connection(self) -> Connection:
         if self._conn is None:
-            u = urlparse(self.url)
-            if u.scheme == "unix":
-                self._conn = Connection(timeout=self.timeout, uds=u.path)
-            else:
-                self._conn = Connection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout)
+            self._conn = connect(self.url, self.timeout)
         return self._conn
 
     def close(self) -> None:
@@ -113,23 +116,15 @@ class RemoteWorker:
                 resp = conn.getresponse()
                 data = resp.read()
                 break
-            except _LOST if numbered else (ConnectionError, http.client.RemoteDisconnected,
-                                            http.client.CannotSendRequest, BrokenPipeError):
+            except _LOST if numbered else (ConnectionError, http.client.RemoteDisconnected, BrokenPipeError):
                 self.close()
                 if attempt == attempts - 1:
                     raise
                 self.resent += numbered
         self.last_request_id = resp.getheader("x-request-id")
         self.instance_id = resp.getheader("x-sidecar-instance") or self.instance_id
-        timing = resp.getheader("server-timing") or ""
-        self.last_exec_seconds = float(timing.split("dur=", 1)[1]) / 1e3 if "dur=" in timing else None
-        payload = msgpack.unpackb(data, raw=False, strict_map_key=False) if data else {}
-        if resp.status != 200:
-            err = payload.get("error", {}) if isinstance(payload, dict) else {}
-            retry = resp.getheader("retry-after")
-            raise RemoteError(resp.status, err.get("type", "http_error"), err.get("message", data[:200].decode(errors="replace")),
-                              err.get("field"), float(retry) if retry else None)
-        return payload["result"]
+        self.last_exec_seconds = exec_seconds(resp)
+        return result_of(resp, data)
 
     def info(self) -> dict:
         """GET /info: version, state, model, device, KV spec, num_blocks, block_size."""

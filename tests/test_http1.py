@@ -1,4 +1,4 @@
-"""sidecar/http1.py against a real socket server scripted per test: framing, failures, one send."""
+"""sidecar/http1.py against a real socket server scripted per test: framing, pipelining, failures, one send."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from sidecar.http1 import Connection
+from sidecar.http1 import MAX_HEAD, Connection
 
 Script = Callable[["Peer", socket.socket], None]
 
@@ -133,8 +133,6 @@ def test_failures_are_http_clients_own_exceptions(peer: Callable[..., Peer]) -> 
     p = peer(nothing, reply(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"), reply(b"garbage\r\n\r\n"))
     c = Connection("127.0.0.1", p.port, timeout=5)
     c.request("POST", "/x", body=b"{}")
-    with pytest.raises(http.client.CannotSendRequest):
-        c.request("POST", "/x", body=b"{}")  # the reply is not read yet
     with pytest.raises(http.client.RemoteDisconnected):
         c.getresponse()
     assert c.sock is None
@@ -161,3 +159,49 @@ def test_a_silent_server_times_out(peer: Callable[..., Peer]) -> None:
     with pytest.raises(TimeoutError):
         c.getresponse()
     done.set()
+
+
+def test_pipelined_replies_come_back_in_request_order_also_from_one_segment(peer: Callable[..., Peer]) -> None:
+    def script(me: Peer, conn: socket.socket) -> None:
+        data = b""
+        while data.count(b"\r\n\r\n") < 3:
+            data += conn.recv(65536)
+        conn.sendall(b"".join(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n%d" % i for i in range(3)))
+
+    p = peer(script)
+    c = Connection("127.0.0.1", p.port, timeout=5)
+    for i in range(3):
+        c.request("GET", f"/{i}")  # no reply read in between
+    assert c.outstanding == 3
+    assert [c.getresponse().read() for _ in range(3)] == [b"0", b"1", b"2"]
+    with pytest.raises(http.client.ResponseNotReady):
+        c.getresponse()
+    c.close()
+
+
+def test_a_unix_socket_and_a_reply_head_over_the_bound(tmp_path) -> None:
+    path = str(tmp_path / "s")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen()
+
+    def serve() -> None:
+        for head in (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", b"HTTP/1.1 200 OK\r\nx: " + b"a" * (MAX_HEAD + 10)):
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(head)
+                conn.recv(1)  # until the client closes
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = Connection(timeout=5, uds=path)
+    c.request("GET", "/")
+    assert c.getresponse().read() == b"ok"
+    c.close()
+    c.request("GET", "/")
+    with pytest.raises(http.client.LineTooLong):
+        c.getresponse()
+    assert c.sock is None
+    t.join(5)
+    srv.close()

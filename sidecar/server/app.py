@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry
@@ -40,17 +39,17 @@ from sidecar.server.httpio import BodyBudget
 from sidecar.server.httpio import read_body as _read_body
 from sidecar.server.httpio import request_id as _request_id
 from sidecar.server.httpio import wants_msgpack as _wants_msgpack
-from sidecar.server.lean import LeanApp, http_protocol
-from sidecar.server.connguard import fd_room
-from sidecar.server.instance import EXPECT_HEADER, Instance, InstanceHeader
+from sidecar.server.connguard import fd_room, http_protocol
+from sidecar.server.rpcroute import SidecarApp
+from sidecar.server.instance import EXPECT_HEADER, InstanceHeader
 from sidecar.server.auth import authorize, bind_unix_socket, check_bind, load_token
 from sidecar.server.logs import add_secret, configure_logging
 from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
-from sidecar.server.startup import Startup, preload, progress_reporter
-from sidecar.server.sequencer import StepSequencer
+from sidecar.server.startup import preload, progress_reporter
 from sidecar.server.shutdown import drain, exit_when_idle
-from sidecar.steps import StepLedger, fingerprint
+from sidecar.server.state import Sidecar
+from sidecar.steps import fingerprint
 from sidecar.worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
@@ -58,45 +57,6 @@ slog = logging.getLogger("sidecar.server")
 
 # Bodies above this are decoded off the event loop, so a big prompt never stalls the probes.
 _DECODE_OFF_LOOP_BYTES = 256 * 1024
-
-
-@dataclass
-class Sidecar:
-    config: Config
-    worker: MLXWorker
-    metrics: Metrics
-    token: str | None
-    thread: MLXThread | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    draining: bool = False
-    deadline: float | None = None  # monotonic time by which shutdown must be complete
-    clean_shutdown: bool = True
-    preload_error: str | None = field(default=None)
-    startup: Startup = field(default_factory=Startup)  # the preload's running stage, if any
-    instance: Instance = field(default_factory=Instance)
-    steps: StepLedger = field(default_factory=StepLedger)
-    sequencer: StepSequencer = field(default_factory=StepSequencer)  # two steps in flight over two connections
-    _dropped_queued: bool = False
-
-    def publish(self) -> None:
-        self.metrics.publish(self.worker)
-
-    def begin_drain(self) -> None:
-        """Stop taking RPCs (503) and drop calls that have not started. Safe in a signal handler:
-        it only sets flags and schedules the rest on the event loop."""
-        if self.draining:
-            return
-        self.draining = True
-        self.deadline = time.monotonic() + self.config.shutdown_timeout
-        if self.loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is already closed
-                self.loop.call_soon_threadsafe(self.drop_queued)
-
-    def drop_queued(self) -> None:
-        """Once per shutdown, on the event loop: queued calls get 503 (they never ran)."""
-        if not self._dropped_queued and self.thread is not None:
-            self._dropped_queued = True
-            self.thread.cancel_queued("the worker is shutting down")
 
 
 def create_app(config: Config, *, worker: MLXWorker | None = None, registry: CollectorRegistry | None = None,
@@ -113,7 +73,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sc.loop = asyncio.get_running_loop()
-        sc.thread = MLXThread(config.max_queue, after_job=sc.publish, after_reply=getattr(worker, "after_reply", None))
+        sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
         metrics_.thread = sc.thread
         if hasattr(worker, "attach_thread"):  # scale-out: a lost rank answers the call stuck on it
             worker.attach_thread(sc.thread)
@@ -131,7 +91,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
 
     @bodies.holding  # `held`: the body bytes this call took from `bodies`, given back once it is answered
     async def rpc_reply(request: Any, held: list[int]) -> tuple[int, dict[str, str], bytes, str]:
-        """(status, headers, body, media type); `request`: Starlette's or server/lean.py's."""
+        """(status, headers, body, media type) for a server/rpcroute.py request."""
         t0 = time.perf_counter()
         rid = _request_id(request.headers.get("x-request-id"))
         method = request.path_params["method"]
@@ -170,8 +130,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             if step_id is not None:
                 await sc.sequencer.turn(step_id)
                 sc.sequencer.handed(step_id)  # no await until the call is queued: the order holds
-            result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout,
-                                          getattr(request, "reply_gate", None))
+            result = await sc.thread.call(_on_mlx_thread(sc, method, call, timing), config.call_timeout)
             payload: Any = {"result": result}
             # The time the call spent on the MLX thread, so clients can see the transport's share.
             headers["server-timing"] = f"exec;dur={timing[0] * 1e3:.3f}"
@@ -211,10 +170,6 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             log.log(level, "rpc", extra=extra)
         return status, headers, content, MSGPACK_TYPES[0] if as_msgpack else JSON_TYPE
 
-    async def rpc(request: Request) -> Response:
-        status, headers, content, media_type = await rpc_reply(request)
-        return Response(content, status_code=status, headers=headers, media_type=media_type)
-
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -235,8 +190,6 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def info(request: Request) -> Response:
         if config.protect_metrics:
             authorize(sc.token, request)
-        if sc.thread is not None:
-            await sc.thread.published()  # the last answered call's state (server/rpc.py)
         snap, thread = sc.metrics.snapshot, sc.thread
         return JSONResponse({
             "version": __version__, "protocol_version": PROTOCOL_VERSION, "state": sc.worker.state.value,
@@ -245,9 +198,6 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "max_model_len": snap.max_model_len, "vocab_size": snap.vocab_size,
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
             "mlx_thread_idle_seconds": thread.idle_seconds if thread else 0.0,
-            # Per decode batch size: the device's idle time and the steps it was measured over
-            # (CPU backend; null elsewhere, server/deviceidle.py), and the decode-ahead's use.
-            "device_idle": thread.device.totals if thread else None,
             "decode_ahead": _ahead_counts(sc.worker),
             "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
             "starting": sc.startup.stage,
@@ -257,8 +207,6 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     async def metrics(request: Request) -> Response:
         if config.protect_metrics:
             authorize(sc.token, request)
-        if sc.thread is not None:
-            await sc.thread.published()
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(sc.metrics.registry), media_type=content_type)
 
@@ -273,12 +221,11 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
         return JSONResponse(exc.to_wire(), status_code=exc.status, headers=headers)
 
-    app = LeanApp(
+    # Every verb and every name under /rpc/ reaches rpc_reply (server/rpcroute.py), so 404s and
+    # 405s are counted, logged and answered like any other RPC.
+    app = SidecarApp(
         rpc_reply, sc.instance,
         routes=[
-            # Every verb and every name under /rpc/ reaches the handler, so 404s and 405s are
-            # counted, logged and answered like any other RPC.
-            Route("/rpc/{method:path}", rpc, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/info", info, methods=["GET"]),
@@ -308,18 +255,12 @@ def _on_mlx_thread(sc: Sidecar, method: str, call: Any, timing: list[float]) -> 
         try:
             result = call()
         finally:
-            timing.append(time.perf_counter() - t0 + (sc.thread.carried if sc.thread else 0.0))  # + its ahead forward
+            timing.append(time.perf_counter() - t0)
         runner = sc.worker.runner
         # (a resend answered from the step ledger ran nothing: its stats are the previous step's)
         if (method in ("execute_model", "sample_tokens") and runner is not None and runner.last_stats.num_rows
                 and runner.last_stats is not before):
-            stats = runner.last_stats
-            sc.metrics.observe_step(stats)
-            if sc.thread is not None:  # a decode step: its period counts in the device idle (deviceidle.py)
-                decode = stats.num_tokens == stats.num_rows and not stats.prompt_tokens and not stats.prefill_chunks
-                sc.thread.step_kind = (True, stats.num_rows if decode else None)
-        elif method in ("execute_model", "sample_tokens") and sc.thread is not None:
-            sc.thread.step_kind = (True, None)
+            sc.metrics.observe_step(runner.last_stats)
         return result
 
     return run

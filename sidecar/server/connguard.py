@@ -4,7 +4,13 @@ uvicorn closes a kept-alive connection only after a response (and any byte cance
 reads a request's head and body for as long as the client takes, and holds as many connections as
 the process has file descriptors. So a client that connects and sends nothing, or a head or body
 one byte every few seconds (slowloris), holds a socket forever; a few thousand of them exhaust the
-descriptors and nobody else is served. Here, on top of the one-write protocol (coalesce.py):
+descriptors and nobody else is served.
+
+Why a subclass of uvicorn's (private) httptools protocol: its public config has no bound for
+these. `timeout_keep_alive` starts only after a response; there is no read timeout for a request's
+head or body; `limit_concurrency` answers 503 past N connections + tasks but never closes an idle
+connection to make room (so idle keep-alives would lock out a scheduler); `h11_max_incomplete_event_size`
+bounds a head only under the h11 parser, not httptools. Here:
 
 - a connection with no request in it (fresh, or after a response) is closed after `idle_timeout`
   seconds, whatever bytes that are no request it sends (uvicorn's keep-alive timeout);
@@ -23,7 +29,7 @@ import json
 import time
 from typing import Any
 
-from sidecar.server.coalesce import GatheringHttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
 def _reply(status: str, message: str, kind: str, retry_after: int | None = None) -> bytes:
@@ -38,8 +44,8 @@ def _reply(status: str, message: str, kind: str, retry_after: int | None = None)
 MAX_HEAD_BYTES = 64 * 1024
 
 
-class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
-    """Set by `guarded_protocol` (a subclass per server): the three bounds."""
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """Set by `http_protocol` (a subclass per server): the bounds."""
 
     read_timeout = 60.0
     max_connections = 512
@@ -187,7 +193,8 @@ class GuardedHttpToolsProtocol(GatheringHttpToolsProtocol):
         return False
 
 
-def guarded_protocol(read_timeout: float, max_connections: int) -> type[GuardedHttpToolsProtocol]:
+def http_protocol(read_timeout: float = 60.0, max_connections: int = 512) -> type[GuardedHttpToolsProtocol]:
+    """For uvicorn's `http`: its httptools protocol with the bounds (a subclass per server)."""
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
                 {"read_timeout": read_timeout, "max_connections": max_connections})
 

@@ -13,8 +13,6 @@ import time
 from typing import Any, Callable, Mapping
 
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
-from sidecar.server.deviceidle import DeviceIdle, discover_stream_threads
-from sidecar.server.replygate import HOLD_MIN_CALL_SECONDS, ReplyGate
 from sidecar.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
 from sidecar.worker import ALLOWED, MLXWorker
 
@@ -82,8 +80,6 @@ class _Job:
     loop: asyncio.AbstractEventLoop | None
     future: asyncio.Future | None
     cancelled: bool = False
-    gate: ReplyGate | None = None  # opened by the event loop once the reply is written
-    queued_at: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class MLXThread:
@@ -93,37 +89,22 @@ class MLXThread:
     own. The thread publishes the worker's state after every job through `after_job`.
     """
 
-    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None,
-                 after_reply: Callable[[], None] | None = None):
+    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None):
         self.max_queue = max_queue
         self._after_job = after_job
-        self._after_reply = after_reply  # MLX work that must not delay a reply (MLXWorker.after_reply)
         self._queue: queue.Queue[_Job | None] = queue.Queue()  # bounded by `call`; the stop sentinel always fits
         self._stopping = False
-        self.publishing = False  # a call was answered and its state is not published yet
-        self.marking = False  # ... or its device idle (`device`) not counted yet
         self.busy_since: float | None = None  # monotonic start of the running job, None when idle
         self._running: _Job | None = None
-        # The after_reply hook: when it last ran (perf_counter span), and how long of it the running
-        # job waited on (work done ahead for that job, which its Server-Timing counts as its own).
-        self._deferred = (0.0, 0.0)
-        self.carried = 0.0
         # Waiting for a call (during a decode stream: the round trips it did not overlap): the
         # finished waits, and when the current one began (None while a job runs); one tuple, so
         # another thread reads a consistent pair.
         self._idle: tuple[float, float | None] = (0.0, None)
-        self.device = DeviceIdle([])  # the device's idle time per decode step (deviceidle.py), once started
-        # Set by the running job (app.py): it was a step, and a decode step of this many rows.
-        self.step_kind: tuple[bool, int | None] = (False, None)
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         try:
-            try:
-                self.device = DeviceIdle(discover_stream_threads())
-            except Exception:  # noqa: BLE001 - a measurement only; the thread serves without it
-                log.exception("finding the MLX stream's threads failed")
             self._run_jobs()
         finally:
             # MLX (>= 0.32) frees a thread's streams only when told to, before the thread ends;
@@ -150,49 +131,17 @@ class MLXThread:
             if job.cancelled:
                 continue
             self.busy_since, self._running = time.monotonic(), job
-            d0, d1 = self._deferred
-            self.carried = max(0.0, d1 - max(d0, job.queued_at))
-            started = time.perf_counter()
-            self.step_kind = (False, None)
-            self.device.started()
             try:
                 result, error = job.fn(), None
             except BaseException as e:  # delivered to the awaiting handler, never kills the thread
                 result, error = None, e
             finally:
                 self.busy_since, self._running = None, None
-            # A call the thread holds its after-reply forward for (server/replygate.py) is answered
-            # first and published once its reply is written: off the reply's path, and `published`
-            # lets the probes wait the few microseconds for it. Any other call publishes first, as
-            # a short call's publish after the reply would compete with the loop writing it.
-            hold = job.future is not None and job.loop is not None and self._holds(
-                job, time.perf_counter() - started + self.carried)
-            if not hold:
-                self._publish()
-            answered = job.future is not None and job.loop is not None
-            if answered:
-                self.publishing, self.marking = hold, True
-                try:
+            # Published before the reply is handed over: a probe read after a reply sees its effects.
+            self._publish()
+            if job.future is not None and job.loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
-                except RuntimeError:  # the loop is closed: nobody is waiting any more
-                    hold = False
-            # After the hand-over: the reply need not wait for this reading (~30 us).
-            self.device.mark(self.step_kind[1], self.step_kind[0])
-            self.marking = False
-            if hold:
-                job.gate.wait()  # type: ignore[union-attr]
-            if self.publishing:
-                self._publish()
-            # (a dropped call still queued is no reason to skip it: depth counts live calls only)
-            # Also when the next call is already queued: the forward it most likely uses starts now,
-            # and that call's own decode and plan run while its last ops compute.
-            if self._after_reply is not None:
-                t0 = time.perf_counter()
-                try:
-                    self._after_reply()
-                except Exception:  # noqa: BLE001 - the next step meets (and answers) the same error
-                    log.exception("the work after a reply failed")
-                self._deferred = (t0, time.perf_counter())
 
     def _publish(self) -> None:
         if self._after_job is not None:
@@ -200,35 +149,17 @@ class MLXThread:
                 self._after_job()
             except Exception:  # noqa: BLE001 - publishing must never stop the worker
                 log.exception("publishing the worker state failed")
-        self.publishing = False
 
-    async def published(self, timeout: float = 0.05) -> None:
-        """On the event loop: wait (bounded) until the state of every answered call is published
-        (and its device idle counted), so a probe read after a reply sees that call's effects."""
-        if self.publishing or self.marking:
-            deadline = time.monotonic() + timeout
-            while (self.publishing or self.marking) and time.monotonic() < deadline:
-                await asyncio.sleep(0.0002)
-
-    def _holds(self, job: _Job, seconds: float) -> bool:
-        """Whether the after-reply hook waits (bounded) until the event loop has written this
-        call's reply, so the hook's forward does not take the cores the reply needs
-        (server/replygate.py). Not when another call waits (that one starts now), nor after a call
-        shorter than HOLD_MIN_CALL_SECONDS: there the wait would be a large share of the next step."""
-        return (job.gate is not None and self._after_reply is not None and seconds >= HOLD_MIN_CALL_SECONDS
-                and not self.depth())
-
-    async def call(self, fn: Callable[[], Any], timeout: float, gate: ReplyGate | None = None) -> Any:
+    async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run fn on the MLX thread. A call still queued after `timeout` is dropped (503); once
         started it runs to the end, since abandoning a step would desynchronise the scheduler.
-        If the awaiting task is cancelled while the job is still queued, the job never runs.
-        With `gate`, the thread holds its after-reply work until the caller opens it."""
+        If the awaiting task is cancelled while the job is still queued, the job never runs."""
         if self._stopping:
             raise Unavailable("the worker is shutting down", retry_after=5)
         if self.depth() >= self.max_queue:
             raise Unavailable(f"the worker's queue is full ({self.max_queue} calls waiting)", retry_after=1)
         loop = asyncio.get_running_loop()
-        job = _Job(fn, loop, loop.create_future(), gate=gate)
+        job = _Job(fn, loop, loop.create_future())
         self._queue.put_nowait(job)
         # A timer instead of wait_for(shield(...)): no extra task or future per call.
         timer = loop.call_later(timeout, self._expire, job, timeout)

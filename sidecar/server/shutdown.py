@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
 from sidecar.errors import Unavailable
-
-if TYPE_CHECKING:
-    from sidecar.server.app import Sidecar
+from sidecar.server.state import Sidecar
 
 slog = logging.getLogger("sidecar.server")
 

@@ -29,11 +29,6 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
            if not isinstance(doc.get(k), (int, float)) or not math.isfinite(doc[k])}
     assert not bad, f"missing or non-finite: {bad}"
     assert doc["profile"] == "tiny" and doc["model"] == "builtin:tiny"
-    # The device's idle time per decode step, at batch 1 and at the sampling rows (CPU backend).
-    for key in ("device_idle_ms_per_step_b1", "device_idle_ms_per_step_b64", "device_idle_share_b1"):
-        assert math.isfinite(doc[key]) and doc[key] >= 0, key
-    assert doc["device_idle_steps_b1"] >= doc["params"]["rpc_b1_steps"] - 1
-    assert doc["device_idle_ms_per_step"] == max(doc["device_idle_ms_per_step_b1"], doc["device_idle_ms_per_step_b64"])
     assert doc["sampling_mixed_ahead_hits"] > 0 and doc["sampling_greedy_ahead_hits"] > 0
     assert doc["mlx_version"] and doc["mlx_lm_version"] and doc["machine"]["cpu_count"]
     # The BLAS, named in the head; the servers mapped the one this process (mlx-lm) multiplies with.

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from sidecar.client import UnixConnection
+from sidecar.http1 import Connection
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,11 +147,8 @@ def spawn(*flags: str, env: Mapping[str, str | None] | None = None) -> Server:
 
 def _probe(server: Server, path: str) -> tuple[int, bytes] | None:
     """GET path with the standard library (closing the socket whatever happens); None if refused."""
-    if server.uds:
-        conn: http.client.HTTPConnection = UnixConnection(server.uds)
-    else:
-        u = urlparse(server.url)
-        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=5)
+    u = urlparse(server.url)
+    conn = Connection(timeout=5, uds=server.uds) if server.uds else Connection("127.0.0.1", u.port or 80, timeout=5)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()

@@ -1,6 +1,5 @@
-"""MLXThread (server/rpc.py): the after-reply hook's work counts toward the next call's time when
-that call waited on it, the thread counts the time it waits for calls, and dropped calls do not
-hold places in the queue (the hook's ordering: test_rpc_after_reply.py)."""
+"""MLXThread (server/rpc.py): the thread counts the time it waits for calls, and dropped calls do
+not hold places in the queue."""
 
 from __future__ import annotations
 
@@ -12,40 +11,6 @@ import pytest
 
 from sidecar.errors import Unavailable
 from sidecar.server.rpc import MLXThread
-
-
-def test_a_call_that_waited_on_the_hooks_work_counts_it_as_its_own() -> None:
-    """The after-reply hook computes the next call's forward ahead: the time a call waits on it
-    goes into that call's `carried` (its Server-Timing), and a call queued when nothing was
-    deferred carries nothing."""
-    release, started = threading.Event(), threading.Event()
-    runs: list[int] = []
-
-    def hook() -> None:
-        runs.append(1)
-        if len(runs) == 1:
-            started.set()
-            release.wait(5)  # (the next forward, in the real thing)
-            time.sleep(0.05)
-
-    async def main() -> tuple[float, float]:
-        t = MLXThread(max_queue=4, after_reply=hook)
-        try:
-            await t.call(lambda: None, 5)  # its hook blocks until released
-            assert await asyncio.to_thread(started.wait, 5)  # (a call queued before it starts would skip it)
-            nxt = asyncio.ensure_future(t.call(lambda: t.carried, 5))
-            await asyncio.sleep(0.02)
-            release.set()
-            carried = await nxt
-            await asyncio.sleep(0.05)  # the (quick) hook after it is done
-            later = await t.call(lambda: t.carried, 5)
-            return carried, later
-        finally:
-            t.stop()
-            t.join(5)
-
-    carried, later = asyncio.run(main())
-    assert 0.04 < carried < 2 and later < 0.01
 
 
 def test_a_dropped_call_frees_its_place_in_the_queue() -> None:

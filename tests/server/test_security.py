@@ -15,6 +15,7 @@ import msgpack
 import pytest
 
 from sidecar.client import RemoteError, RemoteWorker
+from sidecar.pipeline import Pipeline
 from tests.server.serverproc import finish, prefill, slow_prefill_tokens, spawn, start_server
 
 TOKEN = "s3cret-Token_0123456789abcdef"
@@ -49,6 +50,11 @@ def test_unix_socket_is_owner_only_and_serves_a_remote_worker(home: str, tmp_pat
         assert w.check_health() is None and w.last_request_id
         w.init_device()
         w.close()
+        pipe = Pipeline(f"unix://{path}")  # two calls in flight on one connection
+        pipe.submit("check_health")
+        pipe.submit("check_health")
+        assert [pipe.collect(), pipe.collect()] == [None, None] and not pipe.outstanding
+        pipe.close()
         with s.client() as c:
             assert c.get("/healthz").status_code == 200
             assert c.get("/info").json()["state"] == "device_ready"
