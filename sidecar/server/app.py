@@ -199,6 +199,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "busy": bool(thread and thread.busy), "queue_depth": thread.depth() if thread else 0,
             "mlx_thread_idle_seconds": thread.idle_seconds if thread else 0.0,
             "decode_ahead": _ahead_counts(sc.worker),
+            "device_idle": None,  # kept for protocol-2 clients: no longer measured (docs/protocol.md)
             "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
             "starting": sc.startup.stage,
             "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"

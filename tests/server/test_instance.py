@@ -53,3 +53,14 @@ def test_every_reply_names_the_instance_and_a_mismatch_is_a_409(server, home: st
         assert e.value.status == 409 and e.value.type == "instance_mismatch"
         assert httpx.get(f"{other.url}/info").json()["instance_id"] != iid
         pinned.close()
+
+
+def test_info_keeps_every_protocol_2_key(server) -> None:
+    """Clients of protocol 2 read these keys; a field no longer measured stays, as null."""
+    info = httpx.get(f"{server.url}/info").json()
+    keys = {"version", "protocol_version", "state", "model", "model_path", "device", "mlx_version", "kv_cache_spec",
+            "num_blocks", "block_size", "max_model_len", "vocab_size", "busy", "queue_depth",
+            "mlx_thread_idle_seconds", "decode_ahead", "device_idle", "draining", "instance_id", "started_at",
+            "starting", "speculative_method"}
+    assert keys <= info.keys(), keys - info.keys()
+    assert info["device_idle"] is None
