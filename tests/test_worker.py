@@ -11,7 +11,7 @@ from sidecar.worker import MLXWorker, State, device_memory_bytes
 
 
 def test_lifecycle_order_is_enforced(home: str) -> None:
-    w = MLXWorker(Config(home=home))
+    w = MLXWorker(Config(home=home, max_num_batched_tokens=64, max_num_seqs=4))  # a quick warm-up
     with pytest.raises(StateError, match="call init_device first"):
         w.load_model()
     w.init_device()
@@ -49,7 +49,7 @@ def test_kv_dtype_override(make_worker) -> None:
 
 
 def test_available_memory_accounts_for_weights_and_activations(make_worker) -> None:
-    w = make_worker()
+    w = make_worker(max_num_batched_tokens=64, max_num_seqs=4)  # a quick profile run
     free = w.determine_available_memory()
     total = device_memory_bytes() * w.config.gpu_memory_utilization
     assert 0 < free < total - w.weights_bytes
