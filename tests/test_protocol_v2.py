@@ -14,6 +14,8 @@ from tests.runner.test_model_runner import prompts
 from tests.server.serverproc import start_server
 
 BS = 16
+# Profile and warm-up shapes small enough to be quick: these tests do not depend on them.
+SMALL = ("--max-num-batched-tokens", "64", "--max-num-seqs", "4")
 
 
 def new(rid: str, prompt: list[int], blocks: list[int], n: int, sp: dict | None = None, computed: int = 0,
@@ -139,7 +141,7 @@ def test_two_phase_step_applies_the_grammar_bitmask_per_row(make_worker) -> None
 
 
 def test_two_phase_step_over_a_real_server(home) -> None:
-    with start_server() as s:
+    with start_server(*SMALL) as s:
         r = RemoteWorker(s.url)
         r.init_device()
         r.load_model()
@@ -188,7 +190,7 @@ def test_two_phase_steps_mixed_with_plain_ones_keep_mlx_lms_tokens_over_a_real_s
     # whichever way steps alternate, each samples the forward of its own tokens.
     prompt = prompts(200, [6], seed=11)[0]
     want, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 10)  # (one block of 16)
-    with start_server() as s:
+    with start_server(*SMALL) as s:
         r = RemoteWorker(s.url)
         r.init_device()
         r.load_model()
@@ -247,7 +249,7 @@ def test_whole_prompt_logprobs_arrive_with_the_first_token(make_worker, oracle_m
 
 
 def test_determine_available_memory_honours_vllm_settings(make_worker) -> None:
-    w = make_worker()
+    w = make_worker(max_num_batched_tokens=64, max_num_seqs=4)  # a quick profile run
     assert w.determine_available_memory(kv_cache_memory_bytes=12345) == 12345
     full = w.determine_available_memory()
     assert w.determine_available_memory(gpu_memory_utilization=0.05) < full

@@ -11,7 +11,7 @@ from sidecar.worker import MLXWorker, State, device_memory_bytes
 
 
 def test_lifecycle_order_is_enforced(home: str) -> None:
-    w = MLXWorker(Config(home=home))
+    w = MLXWorker(Config(home=home, max_num_batched_tokens=64, max_num_seqs=4))  # a quick warm-up
     with pytest.raises(StateError, match="call init_device first"):
         w.load_model()
     w.init_device()
@@ -49,7 +49,7 @@ def test_kv_dtype_override(make_worker) -> None:
 
 
 def test_available_memory_accounts_for_weights_and_activations(make_worker) -> None:
-    w = make_worker()
+    w = make_worker(max_num_batched_tokens=64, max_num_seqs=4)  # a quick profile run
     free = w.determine_available_memory()
     total = device_memory_bytes() * w.config.gpu_memory_utilization
     assert 0 < free < total - w.weights_bytes
@@ -134,18 +134,19 @@ def _greedy(w: MLXWorker, rid: str) -> list[int]:
 def test_sleep_frees_memory_and_wake_up_restores(make_worker, level: int) -> None:
     from sidecar.errors import Unavailable
 
-    w = make_worker("builtin:small", num_blocks=512, max_num_batched_tokens=64, max_num_seqs=4)
+    w = make_worker(num_blocks=512, max_num_batched_tokens=64, max_num_seqs=4)
     w.compile_or_warm_up_model()
     want = _greedy(w, "before")
     gc.collect()
-    awake = mx.get_active_memory()
+    awake, cache, weights = mx.get_active_memory(), 512 * w.get_cache_block_size_bytes(), w.weights_bytes
+    assert weights > 0
     w.sleep(level)
     gc.collect()
-    asleep = mx.get_active_memory()
-    freed = awake - asleep
-    assert freed >= 512 * w.get_cache_block_size_bytes()
-    if level == 2:
-        assert freed >= 512 * w.get_cache_block_size_bytes() + 200e6  # the weights went too
+    freed = awake - mx.get_active_memory()
+    if level == 1:
+        assert cache <= freed < cache + weights  # the cache went, the weights stayed
+    else:
+        assert freed >= cache + weights  # the weights went too
     with pytest.raises(Unavailable, match="sleeping"):
         w.execute_model({})
     if level == 2:

