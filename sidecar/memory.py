@@ -128,12 +128,12 @@ def profile_run(runner: Any, cfg: Any) -> float:
         runner.pool, runner.requests = KVPool(runner.specs, blocks), {}
         greedy = SamplingParams(temperature=0.0)
         big = RequestState("profile-prefill", [0] * prefill, greedy, list(range(-(-prefill // bs))))
-        runner._run([Row(big, 0, big.prompt_token_ids, big.block_ids, True)])
+        runner.run_rows([Row(big, 0, big.prompt_token_ids, big.block_ids, True)])
         rows = []
         for i in range(seqs):
             s = RequestState(f"profile-{i}", [0], greedy, [blocks - 1 - i])
             rows.append(Row(s, 0, [0], s.block_ids, True))
-        runner._run(rows)
+        runner.run_rows(rows)
     finally:
         runner.pool, runner.requests = pool, saved
     return time.perf_counter() - t0

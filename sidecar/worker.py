@@ -271,13 +271,6 @@ class MLXWorker(StateMachine):
         check_step_shape(scheduler_output, self.runner.requests, limits)
         return self.runner.execute_model(self.runner.decode(scheduler_output), defer_sampling)
 
-    def after_reply(self) -> None:
-        """Not an RPC: the server's MLX thread runs this after a call, once the reply is handed to
-        the event loop and no other call waits (server/rpc.py), for work that must not delay the
-        reply (ModelRunner.after_reply)."""
-        if self.runner is not None:
-            self.runner.after_reply()
-
     @lifecycle
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
         """v2: sample the deferred step; `grammar_output` is vLLM's GrammarOutput or null."""

@@ -19,19 +19,6 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _after_reply_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In process, the decode-ahead forward is built in the step and dispatched in the after-reply
-    hook whatever a step's time: ahead.before_reply would move a step slower than 2 ms (a tiny
-    model's, under load) to the dispatch before its reply, and ahead.defer_build a step faster than
-    1 ms to building it in the hook too. Tests of those modes set EARLY_MIN_SECONDS and
-    DEFER_MAX_SECONDS themselves."""
-    from sidecar.runner import ahead
-
-    monkeypatch.setattr(ahead, "EARLY_MIN_SECONDS", float("inf"))
-    monkeypatch.setattr(ahead, "DEFER_MAX_SECONDS", 0.0)
-
-
 @pytest.fixture(scope="session")
 def make_worker(home: str) -> Callable[..., MLXWorker]:
     def make(model: str = "builtin:tiny", num_blocks: int = 256, **overrides: object) -> MLXWorker:

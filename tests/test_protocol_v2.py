@@ -169,24 +169,17 @@ def test_two_phase_step_over_a_real_server(home) -> None:
         r.close()
 
 
-def test_a_two_phase_forward_waits_for_the_after_reply_hook_where_the_server_runs_it(make_worker) -> None:
+def test_a_two_phase_step_samples_its_own_forward(make_worker) -> None:
     w = make_worker()
     p1 = prompts(w.vocab_size(), [9], seed=5)[0]
     plain = tokens(w.execute_model(step([new("p", p1, [0], 4)])), "p")
     w.execute_model(step(finished_req_ids=["p"], nst={}))
     assert w.execute_model(step([new("a", p1, [1], 4)]), defer_sampling=True) is None
-    assert w.runner._dispatch is None  # no hook (in-process use): dispatched in the step
-    w.sample_tokens(None)
-    w.after_reply()  # what the server's MLX thread calls after each reply
-    assert w.execute_model(step([new("b", p1, [2], 4)]), defer_sampling=True) is None
-    assert w.runner._dispatch is not None  # left for the hook: the empty reply does not wait for it
-    w.after_reply()
-    assert w.runner._dispatch is None
-    assert tokens(w.sample_tokens(None), "b") == plain
+    assert tokens(w.sample_tokens(None), "a") == plain
 
 
 def test_two_phase_steps_mixed_with_plain_ones_keep_mlx_lms_tokens_over_a_real_server(home, oracle_model) -> None:
-    # A two-phase step's forward is dispatched after its (empty) reply, as the decode-ahead is:
+    # A two-phase step's forward is queued as its (empty) reply leaves, as the decode overlap is:
     # whichever way steps alternate, each samples the forward of its own tokens.
     prompt = prompts(200, [6], seed=11)[0]
     want, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 10)  # (one block of 16)

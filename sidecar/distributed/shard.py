@@ -93,7 +93,11 @@ class GroupWorker(MLXWorker):
         runner = self.runner
         assert runner is not None
         runner.decode_ahead = False
-        _forward_one_at_a_time(runner, self.in_flight)
+        # Each padded batch evaluated before the next is built: under pipeline parallelism the
+        # ranks' graphs differ (one stage receives where another sends), so two batches left lazy
+        # together may run their send/recv/all_gather in a different order on each rank (a
+        # deadlock). Guarded: a rank lost mid-forward raises instead of hanging (inflight.py).
+        runner.batch_guard = lambda: guarded(self.in_flight)
         cls = LeaderSampler if self.channel.leader else FollowerSampler
         runner.sampler = cls(runner.sampler, self.channel)  # type: ignore[assignment]
 
@@ -210,20 +214,6 @@ class GroupWorker(MLXWorker):
         # mlx-lm shards base layers only: an adapter's full-size matrices do not fit a shard.
         raise ProtocolError(f"LoRA adapters are not supported with --{self.mode}-parallel "
                             "(mlx-lm does not shard adapters)", field="lora_request")
-
-
-def _forward_one_at_a_time(runner: Any, in_flight: InFlight) -> None:
-    """Evaluate each padded batch of a step before building the next. Under pipeline parallelism
-    the ranks' graphs differ (one stage receives where another sends), so two batches left lazy
-    together may run their send/recv/all_gather in a different order on each rank: a deadlock."""
-    forward = runner._forward
-
-    def one_at_a_time(rows: list, where: list[int], last: list, *args: Any, **kwargs: Any) -> None:
-        with guarded(in_flight):  # a rank lost mid-forward raises instead of hanging (distributed/inflight.py)
-            forward(rows, where, last, *args, **kwargs)
-            mx.eval([last[w] for w in where])
-
-    runner._forward = one_at_a_time
 
 
 def _group_keys(specs: Sequence[LayerSpec]) -> list[tuple]:

@@ -123,7 +123,7 @@ def probe_batched(runner: Any) -> None:
                 last: list = [None] * len(rows)
                 stores: list = []
                 for b in batches:
-                    runner._forward([rows[i] for i in b], b, last, {}, stores=stores)
+                    runner.forward([rows[i] for i in b], b, last, {}, stores=stores)
                 for store in stores:
                     store()
                 out += [np.array(x[0].astype(mx.float32)) for x in last]

@@ -3,7 +3,7 @@
 Each layer owns a slot pool `[1, num_kv_heads, num_blocks * block_size + 2, head_dim]` for K and
 for V, allocated once (head-major, so a run of slots reads in place: attention.py). Of the two
 extra slots, the first is slot 0 of a scratch block (id `num_blocks`, no request can address it)
-where a decode-ahead forward past a row's last block writes (boundary.py); the last is a sink
+where a decode-ahead forward past a row's last block writes (overlap.py); the last is a sink
 for the writes of padding positions, so a padded batch never touches a real block. Slot of position p of a request:
 `block_ids[p // block_size] * block_size + p % block_size` (vLLM's slot mapping).
 
@@ -39,7 +39,7 @@ class KVPool:
         self.specs = list(specs)
         self.num_blocks = num_blocks
         self.block_size = specs[0].block_size
-        self.scratch = num_blocks  # a block id of which only slot 0 exists (boundary.py)
+        self.scratch = num_blocks  # a block id of which only slot 0 exists (overlap.py)
         self.sink = num_blocks * self.block_size + 1  # the padding slot
         slots = self.sink + 1
         # Attention leaves: K and V slot pools. State leaves (recurrent layers): one state slot per

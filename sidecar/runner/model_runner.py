@@ -3,15 +3,16 @@
 A step's rows are split into decode rows (one token) and prefill chunks of similar length, each
 run as one padded batch, so a long chunk never pads 63 decodes (or a short chunk) up to its length.
 Only the positions whose logits are needed (each row's last, plus prompt-logprob positions) go
-through the final norm and LM head. After a step, the likely next decode forward is queued
-(ahead.py) so it overlaps the RPC round trip; outputs.py builds the step's output.
+through the LM head (selection.py). After a step, the likely next decode forward is queued
+(overlap.py) so it computes during the RPC round trip; outputs.py builds the step's output.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,19 +20,18 @@ import numpy as np
 
 from sidecar.errors import ProtocolError, StateError
 from sidecar.protocol import ModelRunnerOutput, SchedulerOutput
-from sidecar.runner import ahead as lookahead
 from sidecar.runner import prefill_split
-from sidecar.runner.ahead import _Ahead
 from sidecar.runner.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.runner.lora import LoRAManager
 from sidecar.runner.batch_caches import build_caches, exact_batches, read_bounded, read_limit
 from sidecar.runner.kv_cache import KVPool, LayerSpec
 from sidecar.runner.kv_spec import STATE, ModelCaches
+from sidecar.runner.overlap import DecodeOverlap
 from sidecar.runner.planner import apply, plan_step
-from sidecar.runner.state import RequestState, Row
+from sidecar.runner.state import RequestState, Row, StepPlan
 from sidecar.runner.outputs import StepStats, build_output
 from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
-from sidecar.runner.selection import select_before_norm
+from sidecar.runner.selection import logits_at
 from sidecar.runner.spec_decode import SpecCounters, Verified, verify
 
 
@@ -50,6 +50,14 @@ def _padding_bounded_groups(rows: list[int], lengths: list[int], slack: float = 
     return groups
 
 
+
+def _plain_greedy(row: Row) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: argmax is the whole sampler."""
+    p = row.state.sampling_params
+    return (p.greedy and not p.has_penalties and not p.logit_bias and not p.allowed_token_ids
+            and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)
+
+
 @dataclass
 class _Pending:
     """A step whose sampling waits for `sample_tokens` (v2 two-phase step): its forward is queued."""
@@ -57,7 +65,7 @@ class _Pending:
     rows: list[Row]
     logits: mx.array | None
     prompt_lp: dict
-    restore: Any  # rolls the step's request state back
+    restore: Callable[[], None]  # rolls the step's request state back
     started: float
 
 
@@ -77,18 +85,19 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.pool: KVPool | None = None
         self.last_stats = StepStats()
-        self.step_seconds = 0.0  # the own time of the last finished step with rows (0: none yet; ahead.py)
-        self._selection = select_before_norm(model)
         self.lora = LoRAManager(model, lora_dir, max_loras)
-        # Decode ahead writes a guessed step's K/V; a recurrent state it advanced could not be undone.
+        # The overlap writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
-        self._ahead: _Ahead | None = None
-        self.ahead_hits = self.ahead_misses = 0
-        self.dispatch_after_reply = False  # set by the first after_reply(): its caller runs it after every reply
-        self._dispatch: list[mx.array] | None = None  # the decode-ahead forward, built, waiting for after_reply
+        self.overlap = DecodeOverlap()
         self._pending: _Pending | None = None
         self.spec = SpecCounters()
         self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
+        # The hook for distributed groups: when set, each padded batch of `forward` runs inside this
+        # context and is evaluated before the next is built (distributed/shard.py).
+        self.batch_guard: Callable[[], AbstractContextManager] | None = None
+
+    ahead_hits = property(lambda self: self.overlap.hits)  # decode rows taken from the queued forward
+    ahead_misses = property(lambda self: self.overlap.misses)  # rows it computed for nothing
 
     def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
         """KV cache groups as leaf indices, in the order requests send their block lists."""
@@ -102,63 +111,27 @@ class ModelRunner:
 
     def set_model(self, model: nn.Module) -> None:
         self.model = model
-        self._selection = select_before_norm(model)
         self.lora.attach(model)
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
-        self._ahead = self._dispatch = None
+        self.overlap.clear()
         self.model = self.lora.model = None  # type: ignore[assignment]
-        self._selection = None
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
 
-    def after_reply(self) -> None:
-        """Dispatch the decode-ahead forward the last step built (ahead.py). The server's MLX thread
-        calls this once a call's reply is handed over and no other call waits; the first call
-        switches the runner to leaving that dispatch to it. Without a caller the forward is
-        dispatched as the step returns; one left undispatched is computed by the step that uses it."""
-        self.dispatch_after_reply = True
-        if self._ahead is not None and self._ahead.build is not None:  # (a short step's: ahead.defer_build)
-            try:
-                self._ahead.built()
-            except BaseException:
-                self._ahead = self._dispatch = None
-                raise
-        todo, self._dispatch = self._dispatch, None
-        if todo:
-            try:
-                mx.async_eval(todo)
-            except BaseException:
-                self._ahead = None  # the next step computes its rows itself
-                raise
-
-    def _dispatch_unless_hooked(self, early: bool = False) -> None:
-        """Without an after_reply caller, or `early` (ahead.before_reply), the queued forward is
-        dispatched as the step returns: once its tokens are known, so no task of the step still
-        holds a pool buffer and MLX can donate it to the next write (dispatched any earlier, the
-        write copies each layer's whole pool)."""
-        if self._dispatch and (early or not self.dispatch_after_reply):
-            todo, self._dispatch = self._dispatch, None
-            try:
-                mx.async_eval(todo)
-            except Exception:  # noqa: BLE001 - the step's output stands; the next computes its rows
-                self._ahead = None
-
     # --- pool -------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> None:
-        self._ahead = self._pending = self._dispatch = None
-        self.pool = None  # free the old pool before allocating the new one
-        self.requests.clear()
+        self.free()
         self.pool = KVPool(self.specs, num_blocks)
         if self.proposer is not None:
             self.proposer.allocate(num_blocks)
 
     def free(self) -> None:
-        self._ahead = self._pending = self._dispatch = None
-        self.pool = None
+        self.overlap.clear()
+        self._pending = self.pool = None
         self.requests.clear()
         if self.proposer is not None:
             self.proposer.free()
@@ -179,7 +152,8 @@ class ModelRunner:
         return SchedulerOutput.from_wire(d, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
 
     def execute_model(self, out: SchedulerOutput, defer_sampling: bool = False) -> ModelRunnerOutput | None:
-        """Run a step. With `defer_sampling` (v2) the forward is queued and None returned;
+        """Run a step: plan -> batches -> forward -> sample -> output, then queue the likely next
+        decode (overlap.py). With `defer_sampling` (v2) the forward is queued and None returned;
         `sample_tokens` then samples it (with a grammar bitmask) and returns the output."""
         assert self.pool is not None, "the cache must be initialised first"
         if self._pending is not None:
@@ -188,41 +162,20 @@ class ModelRunner:
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
                          state_groups=self.state_groups, num_groups=len(self.groups))
-        # Snapshot what `apply` and sampling touch, so an internal error rolls the state back.
-        live = dict(self.requests)
-        touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at,
-                    s.other_block_ids) for s in (row.state for row in plan.rows)]
-
-        def restore() -> None:
-            self._ahead = self._pending = None
-            self.requests = live
-            for s, blocks, computed, outputs, n, first, other in touched:
-                del outputs[n:]
-                s.block_ids, s.num_computed_tokens, s.output_token_ids, s.first_token_at = blocks, computed, outputs, first
-                s.other_block_ids = other
-
-        apply(self.requests, plan)
-        if self.proposer is not None:
-            self.proposer.forget(plan.finished)
-        ahead, self._ahead = self._ahead, None
+        restore = self._apply(plan)
         try:
-            if plan.block_copies:  # before the forward; the queued decode may read a destination
-                ahead = None
-                self.pool.copy_blocks(plan.block_copies)
+            logits, prompt_lp = self._logits(plan.rows)
             if defer_sampling:
-                logits, prompt_lp = self._logits(plan.rows, ahead)
-                if logits is not None:  # (as the decode-ahead: after the reply where the server can)
-                    self._dispatch = [logits, *self.pool.arrays()]
-                    self._dispatch_unless_hooked()
+                if logits is not None:
+                    mx.async_eval(logits, *self.pool.arrays())
                 self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
                 self.last_stats = StepStats()
                 return None
-            result = self._run(plan.rows, ahead, start_ahead=self.decode_ahead, propose=True)
+            result = self._finish(plan.rows, logits, prompt_lp, live=True)
         except BaseException:
             restore()
             raise
-        self._timed(time.perf_counter() - t0, plan.rows)
-        self._dispatch_unless_hooked(lookahead.before_reply(self))
+        self.last_stats.seconds = time.perf_counter() - t0
         return result
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
@@ -237,30 +190,55 @@ class ModelRunner:
                                 field="grammar_output")
         self._pending = None
         try:
-            result = self._finish(p.rows, p.logits, p.prompt_lp, self.decode_ahead, grammar, propose=True)
+            result = self._finish(p.rows, p.logits, p.prompt_lp, grammar, live=True)
         except BaseException:
             p.restore()
             raise
-        self._timed(time.perf_counter() - p.started, p.rows)
-        self._dispatch_unless_hooked(lookahead.before_reply(self))
+        self.last_stats.seconds = time.perf_counter() - p.started
         return result
 
-    def _timed(self, seconds: float, rows: list[Row]) -> None:
-        """The step's own time; ahead.py's modes go by the last step that ran rows, not an empty one."""
-        self.last_stats.seconds = seconds
-        if rows:
-            self.step_seconds = seconds
+    def run_rows(self, rows: list[Row]) -> ModelRunnerOutput:
+        """Forward and sample rows outside the scheduler's steps (the memory profile): nothing
+        proposed, nothing queued, the queued forward left alone."""
+        return self._finish(rows, *self._logits(rows, overlap=False))
 
-    def _run(self, rows: list[Row], ahead: _Ahead | None = None, start_ahead: bool = False,
-             propose: bool = False) -> ModelRunnerOutput:
-        return self._finish(rows, *self._logits(rows, ahead), start_ahead, propose=propose)
+    def _apply(self, plan: StepPlan) -> Callable[[], None]:
+        """Apply the plan to the request state and block copies to the pool; returns what rolls
+        the state back (an internal error leaves the worker as before the step)."""
+        live = dict(self.requests)
+        touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at,
+                    s.other_block_ids) for s in (row.state for row in plan.rows)]
 
-    def _logits(self, rows: list[Row], ahead: _Ahead | None) -> tuple[mx.array | None, dict]:
-        """The step's forward (lazy): each row's last logits and prompt-logprob spans."""
+        def restore() -> None:
+            self.overlap.clear()
+            self._pending = None
+            self.requests = live
+            for s, blocks, computed, outputs, n, first, other in touched:
+                del outputs[n:]
+                s.block_ids, s.num_computed_tokens, s.output_token_ids, s.first_token_at = blocks, computed, outputs, first
+                s.other_block_ids = other
+
+        apply(self.requests, plan)
+        if self.proposer is not None:
+            self.proposer.forget(plan.finished)
+        if plan.block_copies:  # before the forward; the queued decode may have read a destination
+            self.overlap.clear()
+            try:
+                self.pool.copy_blocks(plan.block_copies)  # type: ignore[union-attr]
+            except BaseException:
+                restore()
+                raise
+        return restore
+
+    def _logits(self, rows: list[Row], overlap: bool = True) -> tuple[mx.array | None, dict]:
+        """The step's forward (lazy): each row's last logits and prompt-logprob spans. Decode rows
+        the queued forward computed are taken from it; the rest run as padded batches."""
         if not rows:
             return None, {}
         last: list[mx.array | None] = [None] * len(rows)
-        decode = lookahead.take(self, ahead, rows, [i for i, r in enumerate(rows) if len(r.token_ids) == 1], last)
+        decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
+        if overlap:
+            decode = self.overlap.take(self, rows, decode, last)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
         if prefill_split.applies(self.caches):  # mlx-lm's: a sampling chunk's head, then its last token
@@ -275,86 +253,69 @@ class ModelRunner:
         for parts in [read_bounded(rows, group, limit) for group in batches]:
             for group in parts:
                 if group:
-                    self._forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
+                    self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
                     if len(parts) > 1:  # one part at a time: no two parts' reads held at once
                         mx.eval([last[i] for i in group])
         for store in stores:
             store()
         return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
 
-    def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, start_ahead: bool,
-                grammar: GrammarMask | None = None, propose: bool = False) -> ModelRunnerOutput:
-        """Sample the step's logits and build its output."""
+    def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, grammar: GrammarMask | None = None,
+                live: bool = False) -> ModelRunnerOutput:
+        """Sample the step's logits and build its output; a `live` step (the scheduler's) also
+        hands its tokens to the proposer and queues the likely next decode."""
         if logits is None:
             self.last_stats = StepStats()
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         logits = apply_grammar(logits, grammar)
-        started = None
-        lazy = False
         verified: Verified | None = None
         if any(r.num_draft for r in rows):
             probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
             verified = verify(self.sampler, logits, rows, probs)
             res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
-            mx.eval(self.pool.arrays())
-        elif start_ahead and grammar is None and all(lookahead.plain_greedy(r) for r in rows) and not (
-                self.proposer is not None and self.proposer.may_draft(rows)):
-            # Sample lazily and queue the next step's forward behind it before waiting.
-            lazy = True
+        elif grammar is None and all(_plain_greedy(r) for r in rows):  # argmax is the whole sampler
             tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
-            defer = lookahead.defer_build(self)  # a short step: the hook builds it after the reply too
-            if self.dispatch_after_reply and not defer:
-                # The forward this step uses was dispatched after the last reply and is still
-                # computing its last ops (the LM head): build the next one's graph meanwhile, not
-                # after queueing the tokens (async_eval would first wait for that tail). The pool's
-                # arrays are not passed: building rebinds them to the next forward's writes; the
-                # tokens depend on this step's writes, so those are computed with them.
-                hidden = self._selection.hidden if self._selection is not None else None
-                started = lookahead.start(self, rows, tokens)
-                mx.async_eval(tokens, nans)
-                lookahead.dispatch_early(self, hidden)
-            else:
-                mx.async_eval(tokens, nans, self.pool.arrays())
-                started = lookahead.start(self, rows, tokens, defer=defer)
-            res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
-        elif grammar is None and all(lookahead.plain_greedy(r) for r in rows):  # argmax is the whole sampler
-            tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
-            mx.eval(tokens, nans, self.pool.arrays())
+            mx.eval(tokens, nans, self.pool.arrays())  # type: ignore[union-attr]
             res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
         else:
-            sample_rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
-                           for r in rows]
-            res = self.sampler.sample(logits, sample_rows)
-            mx.eval(self.pool.arrays())  # already computed with the logits; keeps the graph from growing
-        drafted = self._propose(rows, res, verified) if propose else set()
-        # A row that verified drafts decodes its last token next, after the accepted ones.
-        last_tok = res.token_ids if verified is None else [t[-1] if t else 0 for t in verified.token_ids]
-        at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
-              for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
-        if start_ahead and not lazy:
-            started = lookahead.start(self, rows, mx.array(last_tok, dtype=mx.int32), drafted, at)
-        if started is not None:
-            self._ahead = lookahead.record(rows, started, last_tok, self.pool.block_size, at)
-
+            res = self.sampler.sample(logits, [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids,
+                                                           r.state.output_token_ids) for r in rows])
+        # Computed with the logits already; evaluated, no task of the step holds a pool buffer.
+        mx.eval(self.pool.arrays())  # type: ignore[union-attr]
+        if live:
+            drafted = self._propose(rows, res, verified)
+            # A row that verified drafts decodes its last token next, after the accepted ones.
+            last_tok = res.token_ids if verified is None else [t[-1] if t else 0 for t in verified.token_ids]
+            at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
+                  for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
+            if self.decode_ahead:
+                self.overlap.queue(self, rows, last_tok, at, drafted)
         out, self.last_stats = build_output(rows, res, verified, prompt_lp)
         if verified is not None:
             self.spec = SpecCounters(self.spec.draft_tokens + verified.num_draft,
                                      self.spec.accepted_tokens + verified.num_accepted, self.spec.steps_with_drafts + 1)
         return out
 
-    def _forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
-                 tokens: mx.array | None = None, stores: list | None = None) -> None:
-        """One padded batch; fills `last[where[b]]` with row b's final logits [1, V]. `tokens`
-        [B, L] replaces the rows' token ids (the lazy tokens of a step still being sampled)."""
+    def forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
+                stores: list | None = None) -> None:
+        """One padded batch of `rows` through the paged cache, lazy: fills `last[where[b]]` with row
+        b's logits [1 + num_draft, V] (its last position, and its drafts') and `prompt_lp[where[b]]`
+        with its prompt-logprob span (logits, targets). Recurrent states are stored now, or, with
+        `stores`, by the callable appended to it (once every batch of the step is built)."""
+        if self.batch_guard is None:
+            return self._batch(rows, where, last, prompt_lp, stores)
+        with self.batch_guard():
+            self._batch(rows, where, last, prompt_lp, stores)
+            mx.eval([last[w] for w in where])
+
+    def _batch(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict, stores: list | None) -> None:
         pool = self.pool
         assert pool is not None
         lengths = [len(r.token_ids) for r in rows]
         L = max(lengths)
-        if tokens is None:
-            ids = np.zeros((len(rows), L), np.int32)
-            for b, r in enumerate(rows):
-                ids[b, : lengths[b]] = r.token_ids
-            tokens = mx.array(ids)
+        ids = np.zeros((len(rows), L), np.int32)
+        for b, r in enumerate(rows):
+            ids[b, : lengths[b]] = r.token_ids
         # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
         select: list[int] = []
         last_at: list[int] = []
@@ -374,19 +335,12 @@ class ModelRunner:
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
-            if self._selection is not None and index is not None:
-                self._selection.index = index
-                logits = self.model(tokens, cache=caches)[0]
-            else:
-                logits = self.model(tokens, cache=caches).reshape(-1, self.vocab_size)
-                logits = logits if index is None else logits[index]
+            logits = logits_at(self.model, mx.array(ids), caches, index)
             if stores is not None:
                 stores.append(store_states)
             else:
                 store_states()
         finally:
-            if self._selection is not None:
-                self._selection.index = None
             self.lora.rows.groups = []
         # Kept in the model's dtype: greedy ranks them as mlx-lm does (sampler.greedy_tokens); the
         # sampler and logprobs work in float32 from them.
@@ -401,4 +355,3 @@ class ModelRunner:
             return set()
         toks = [[int(t)] if r.sample else [] for r, t in zip(rows, res.token_ids)] if verified is None else verified.token_ids
         return self.proposer.propose(self, rows, toks)
-

@@ -41,17 +41,3 @@ def ngram_drafts(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
         out.append(int(tokens[at]) if at < N else out[at - N])
     return out
 
-
-def ngram_may_match(prompt: list[int], output: list[int], n_min: int) -> bool:
-    """Whether `ngram_drafts` could find a match once one more token follows prompt + output,
-    whatever that token is: a match of n >= n_min tokens ends with the last n_min - 1 of them,
-    which must then occur earlier, followed by a token."""
-    m = n_min - 1
-    N = len(prompt) + len(output)
-    if m <= 0:
-        return N > 0
-    if N <= m:
-        return False
-    tokens = np.asarray(prompt + output, np.int32)
-    windows = sliding_window_view(tokens[: N - 1], m)  # start i: tokens[i : i + m], i + m < N
-    return bool((windows == tokens[N - m:]).all(axis=1).any())

@@ -53,7 +53,7 @@ def forward_heads(runner: Any, rows: Sequence[Row]) -> tuple[list[Row], list[int
         groups = [list(range(len(heads)))] if heads else []
     stores: list = []
     for group in groups:
-        runner._forward([heads[i] for i in group], group, [None] * len(heads), {}, stores=stores)
+        runner.forward([heads[i] for i in group], group, [None] * len(heads), {}, stores=stores)
     for store in stores:
         store()
     return rows, tails

@@ -27,7 +27,7 @@ import numpy as np
 from sidecar.config import Config
 from sidecar.errors import ProtocolError
 from sidecar.runner.kv_cache import LayerSpec
-from sidecar.runner.ngram import ngram_drafts, ngram_may_match
+from sidecar.runner.ngram import ngram_drafts
 from sidecar.runner.state import RequestState, Row
 from sidecar.runner.sampler import SamplingParams
 from sidecar.runner.spec_policy import VerifyCost, acceptance, best_length, measure
@@ -108,29 +108,6 @@ class Proposer:
     def _drafts(self, runner: ModelRunner, want: list[tuple[RequestState, list[int], int]]) -> dict[str, list[int]]:
         raise NotImplementedError
 
-    def may_draft(self, rows: Sequence[Row]) -> bool:
-        """Whether `propose` after this step could draft for any of the rows, known before their
-        new tokens are. When not, the runner samples lazily and queues the next decode ahead
-        behind the sampling, as without a proposer: a request whose drafts keep failing (paused)
-        or whose text gives lookup nothing to match costs what plain decoding does."""
-        for r in rows:
-            if not r.sample:
-                continue
-            if r.num_draft:
-                return True
-            pace = self.paces.get(r.state.req_id)
-            if pace is not None and pace.wait:  # paused: `update` gives 0 drafts this step
-                continue
-            if self.cost is not None and not best_length(
-                    self.k, acceptance(pace.accepted, pace.drafted) if pace else acceptance(0, 0), self.cost):
-                continue  # drafting does not pay at this request's acceptance rate
-            if self._may_draft(r.state):
-                return True
-        return False
-
-    def _may_draft(self, s: RequestState) -> bool:
-        return True
-
     def take(self) -> dict | None:
         """vLLM's DraftTokenIds, or None when no request has drafts."""
         pending, self.pending = self.pending, {}
@@ -163,9 +140,6 @@ class NgramProposer(Proposer):
 
     def _drafts(self, runner: ModelRunner, want: list[tuple[RequestState, list[int], int]]) -> dict[str, list[int]]:
         return {s.req_id: ngram_drafts(np.asarray(h, np.int32), self.n_min, self.n_max, k) for s, h, k in want}
-
-    def _may_draft(self, s: RequestState) -> bool:
-        return ngram_may_match(s.prompt_token_ids, s.output_token_ids, self.n_min)
 
 
 @dataclass
@@ -242,7 +216,7 @@ class DraftModelProposer(Proposer):
         for step in range(k_max):
             live = [i for i, (_, _, k) in enumerate(meta) if step < k]
             last: list[Any] = [None] * len(live)
-            dr._forward([rows[i] for i in live], list(range(len(live))), last, {})
+            dr.forward([rows[i] for i in live], list(range(len(live))), last, {})
             logits = mx.concatenate(last, axis=0)
             greedy = [meta[i][0].sampling_params.greedy for i in live]
             if all(greedy):

@@ -61,13 +61,13 @@ def test_a_fan_out_over_a_shared_prefix_is_split_and_keeps_mlx_lm_tokens(make_wo
     for k in range(12):
         d.add(f"f{k}", prefix + [9 + k], blocks=shared + d.alloc(1), computed=64)
     forwards: list[int] = []
-    real = ModelRunner._forward
+    real = ModelRunner.forward
 
     def counted(self, rows, *a, **kw):  # (counts the batches; the forward itself is the real one)
         forwards.append(len(rows))
         return real(self, rows, *a, **kw)
 
-    monkeypatch.setattr(ModelRunner, "_forward", counted)
+    monkeypatch.setattr(ModelRunner, "forward", counted)
     d.step(only=[f"f{k}" for k in range(12)])  # 12 rows of one new token each, after 64 computed
     assert len(forwards) > 1 and sum(forwards) == 12 and max(forwards) * 65 <= 4 * 8 * 16
     for k in (0, 11):

@@ -32,19 +32,13 @@ def test_batched_chunked_matches_mlx_lm(make_worker, oracle_model, model: str) -
         np.testing.assert_allclose(d.reqs[f"r{i}"].logprobs[:24], want_lp, atol=1e-4)
 
 
-@pytest.mark.parametrize("hooked", [False, True])
-def test_pool_is_updated_in_place(make_worker, hooked: bool) -> None:
+def test_pool_is_updated_in_place(make_worker) -> None:
     """Every step writes into the pool without copying it: the same buffers before and after,
-    across a block boundary, with the decode-ahead forward dispatched by the server's after_reply
-    hook or (no hook) as the step returns. (Dispatched before the step's own tasks were done, MLX
-    could not donate the buffers a task still held: most steps copied every layer's pool.)"""
+    across a block boundary, with the next decode forward queued as each step returns. (Queued
+    before the step's own tasks were done, MLX could not donate the buffers a task still held:
+    most steps would copy every layer's pool.)"""
     w = make_worker()
-
-    def step(so: dict) -> object:
-        out = w.execute_model(so)
-        if hooked:
-            w.after_reply()
-        return out
+    step = w.execute_model
 
     d = Driver(step, w.config.block_size, w.runner.num_blocks)
     d.add("a", [5, 6, 7])
@@ -187,18 +181,18 @@ def test_internal_error_rolls_back_and_the_worker_keeps_serving(make_worker, ora
     d.add("a", list(range(3, 20)))
     d.step()
     before = {rid: (s.num_computed_tokens, list(s.output_token_ids), list(s.block_ids)) for rid, s in w.runner.requests.items()}
-    real = w.runner._forward
+    real = w.runner.forward
 
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(w.runner, "_forward", boom)
+    monkeypatch.setattr(w.runner, "forward", boom)
     so = d.build(chunk=16)
     with pytest.raises(RuntimeError, match="injected"):
         w.execute_model(so)
     after = {rid: (s.num_computed_tokens, list(s.output_token_ids), list(s.block_ids)) for rid, s in w.runner.requests.items()}
     assert after == before
-    monkeypatch.setattr(w.runner, "_forward", real)
+    monkeypatch.setattr(w.runner, "forward", real)
     d.commit(so, w.execute_model(so).to_wire())  # the same step now succeeds
     assert d.reqs["a"].out == mlx_lm_greedy(oracle_model("builtin:tiny"), list(range(3, 20)), 1)[0]
 

@@ -18,25 +18,6 @@ def test_ngram_longest_match_and_its_continuation() -> None:
     assert ngram_drafts(t([3]), 1, 4, 3) == []
 
 
-def test_may_match_is_exactly_whether_some_next_token_gives_drafts() -> None:
-    """ngram_may_match (the runner's cue to sample lazily with a proposer) against brute force:
-    true iff some next token makes ngram_drafts find a match, on random short histories."""
-    from sidecar.runner.ngram import ngram_may_match
-
-    rng = np.random.default_rng(0)
-    seen = {True: 0, False: 0}
-    for _ in range(400):
-        n = int(rng.integers(0, 12))
-        hist = rng.integers(0, 4, size=n).tolist()
-        split = int(rng.integers(0, n + 1))
-        n_min, n_max = int(rng.integers(1, 4)), 4
-        want = any(ngram_drafts(np.asarray(hist + [t], np.int32), n_min, n_max, 2) for t in range(4))
-        got = ngram_may_match(hist[:split], hist[split:], n_min)
-        assert got == want, (hist, n_min)
-        seen[got] += 1
-    assert min(seen.values()) > 50  # both answers exercised
-
-
 def _drafts_by_every_length(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
     """The definition, one pass over the history per length (the earlier implementation)."""
     from numpy.lib.stride_tricks import sliding_window_view

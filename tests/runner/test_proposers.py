@@ -174,67 +174,28 @@ def test_draft_length_adapts_to_rejections_and_pauses() -> None:
     assert [p.update(3, d, a) for (d, a), _ in steps] == [want for _, want in steps]
 
 
-def test_may_draft_only_where_propose_could() -> None:
-    """The runner's cue for the lazy greedy path: a row verifying drafts, or one whose text lookup
-    could match after any next token, may get drafts; a paused row or one with nothing to match
-    may not (and propose then indeed gives none)."""
+def test_propose_drafts_only_where_lookup_matches_and_not_while_paused() -> None:
+    """A row whose text lookup can match gets drafts; one with nothing to match, or paused after
+    rejections, gets none."""
     from sidecar.runner.proposers import NgramProposer
     from sidecar.runner.state import RequestState, Row
     from sidecar.runner.sampler import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
 
-    def row(rid: str, prompt: list[int], out: list[int], num_draft: int = 0, sample: bool = True) -> Row:
+    def row(rid: str, prompt: list[int], out: list[int]) -> Row:
         s = RequestState(rid, prompt, greedy, [0], output_token_ids=out)
-        return Row(s, s.num_tokens - 1 - num_draft, [out[-1]] + [9] * num_draft, [0], sample, num_draft)
+        return Row(s, s.num_tokens - 1, [out[-1]], [0], True)
 
     p = NgramProposer(3, 2, 4)
     fresh = row("a", [10, 11, 12, 13], [14])  # no token repeats: no 2-gram can match
-    assert not p.may_draft([fresh])
     again = row("b", [10, 11, 12, 13], [11])  # 11 occurred before, followed by 12
-    assert p.may_draft([again]) and p.may_draft([fresh, again])
-    assert p.may_draft([row("c", [10, 11, 12], [13], num_draft=2)])  # verifying
-    assert not p.may_draft([row("d", [10, 11, 12], [11], sample=False)])  # a prefill chunk: no new token
-    # propose agrees: nothing for `fresh` whatever it samples next.
+
     class _R:
         max_model_len = 1 << 20
     assert p.propose(_R(), [fresh], [[15]]) == set() and p.propose(_R(), [again], [[12]]) == {"b"}
     p.paces["b"].wait = 2  # paused after rejections: no drafts until the pause ends
-    assert not p.may_draft([again]) and p.propose(_R(), [again], [[12]]) == set()
-
-
-def test_steps_with_nothing_to_look_up_sample_lazily_as_without_a_proposer(make_worker, oracle_model,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A proposer costs no waiting where it cannot draft: decode steps of a request whose text
-    has nothing to match take the lazy argmax path (the next decode is queued behind the argmax,
-    before the tokens are read and handed to the proposer), and the output stays mlx-lm's greedy
-    output. Negative control: prompt_lookup_min 1 (any repeated token may match) reads the tokens
-    and proposes first on every step that verified no drafts."""
-    from sidecar.runner import ahead
-
-    rng = random.Random(11)
-    prompt = rng.sample(range(3, 500), 24)  # distinct tokens
-    want = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 12)[0]
-    seen = {}
-    real_start = ahead.start
-    for n_min in (4, 1):
-        w = make_worker(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=n_min,
-                        prompt_lookup_max=4)
-        order: list[str] = []
-        for name in ("execute_model", "_propose"):  # record the calls in order, then run them
-            real = getattr(w.runner, name)
-            setattr(w.runner, name, lambda *a, _n=name, _f=real, **k: order.append(_n) or _f(*a, **k))
-        monkeypatch.setattr(ahead, "start", lambda *a, _f=real_start, **k: order.append("_start_ahead") or _f(*a, **k))
-        before = w.runner.ahead_hits
-        got, d = _run(w, {"a": prompt}, 12)
-        assert got["a"] == want, n_min
-        steps = [s.split() for s in " ".join(order).split("execute_model")]
-        firsts = [next((c for c in step if c in ("_start_ahead", "_propose")), None) for step in steps]
-        seen[n_min] = (firsts.count("_start_ahead"), firsts.count("_propose"), len(d.tokens_per_step),
-                       w.runner.ahead_hits - before)
-    lazy4, eager4, steps4, hits4 = seen[4]
-    assert eager4 == 0 and lazy4 >= steps4 - 1 and hits4 > steps4 // 2, seen  # every step lazy, queued decodes used
-    assert seen[1][1] > seen[1][2] // 2, seen  # proposing first on the steps that verified no drafts
+    assert p.propose(_R(), [again], [[12]]) == set()
 
 
 def test_drafting_pauses_where_drafts_fail_through_a_real_server(home: str, oracle_model) -> None:
