@@ -21,7 +21,7 @@ install: $(STAMP)
 # A real model (`mlx-sidecar serve` alone serves the Config default, builtin:tiny), with start-up
 # shapes for a laptop's CPU backend (README, Start-up): the profile run at the default 2048 batched
 # tokens takes minutes there, and a pool for 64 sequences of 8192 tokens would be ~24 GB in fp32.
-# (Without them the pool is bounded by the memory the OS can give, sidecar/memory.py: safe, slow.)
+# (Without them the pool is bounded by the memory the OS can give, sidecar/worker/memory.py: safe, slow.)
 MODEL ?= builtin:smollm2
 SERVE_LIMITS ?= --max-num-batched-tokens 256 --max-num-seqs 8 --max-model-len 4096
 serve: install

@@ -269,7 +269,7 @@ def msgpack_figures(n: int, repeats: int, vocab_size: int) -> dict[str, float]:
     SchedulerOutput, the server's validation of it, and the n-row result's way back."""
     import msgpack
 
-    from sidecar.protocol import MSGPACK_TYPES, SchedulerOutput, decode_body, encode_body
+    from sidecar.wire.protocol import MSGPACK_TYPES, SchedulerOutput, decode_body, encode_body
 
     def timed(fn: Callable[[], Any]) -> float:
         fn()

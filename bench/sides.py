@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from sidecar.client import RemoteWorker
-from sidecar.pipeline import Pipeline
+from sidecar.client.remote import RemoteWorker
+from sidecar.client.pipeline import Pipeline
 from sidecar.scheduler import Event, Request, Scheduler, run
 from sidecar.scheduler.pipelined import run_pipelined
 

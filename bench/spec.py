@@ -23,7 +23,7 @@ import numpy as np
 
 from bench import blas
 from bench.sides import RunResult, SidecarSide, requests_for
-from sidecar.runner.ngram import ngram_drafts
+from sidecar.engine.ngram import ngram_drafts
 from sidecar.scheduler import Event
 
 CASES = ("repetitive", "random")

@@ -27,7 +27,7 @@ def one(family: str, variants: list[str], home: str) -> None:
     from sidecar.errors import ProtocolError
     from sidecar.models import variants as V
     from tests.conftest import mlx_lm_greedy
-    from tests.runner.test_architectures import NEW, prompts, serve_dir, tiny_dir
+    from tests.engine.test_architectures import NEW, prompts, serve_dir, tiny_dir
 
     src = tiny_dir(home, family)
     for v in variants:
@@ -96,7 +96,7 @@ def chunked(model, p: list[int]) -> list[int]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from tests.runner.test_architectures import NEW
+    from tests.engine.test_architectures import NEW
 
     return [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=NEW, prefill_step_size=7,
                                               sampler=lambda x: mx.argmax(x, axis=-1))]
@@ -116,7 +116,7 @@ def main() -> None:
         one(a.families[0], variants, a.home)
         return
     from sidecar.models import families
-    from tests.runner.test_architectures import REFUSED
+    from tests.engine.test_architectures import REFUSED
 
     home = a.home or tempfile.mkdtemp(prefix="dtype-sweep-")
     names = a.families or sorted(set(families.FAMILIES) - set(REFUSED))

@@ -28,7 +28,7 @@ class Config:
     max_req_id_len: int = 256
     decode_ahead: bool = True  # overlap the next decode forward with the RPC round trip
     # speculative decoding (vLLM's speculative_config): drafts proposed by the worker, handed out by
-    # take_draft_token_ids and verified when the scheduler sends them back (runner/proposers.py)
+    # take_draft_token_ids and verified when the scheduler sends them back (engine/proposers.py)
     speculative_method: str = "none"  # none | ngram | draft_model (implied by draft_model)
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
@@ -186,7 +186,7 @@ def _coerce(key: str, type_name: Any, value: Any) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if want is not bool and isinstance(value, bool) or not isinstance(value, want):
-        from sidecar.codec import KIND_NAMES, wire_type
+        from sidecar.wire.codec import KIND_NAMES, wire_type
 
         raise ConfigError(key, f"config key {key!r} must be {KIND_NAMES[want]}, got {wire_type(value)}")
     return value

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from sidecar.config import Config
-from sidecar.worker import MLXWorker
+from sidecar.worker.mlx_worker import MLXWorker
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_wire_modules_import_without_mlx() -> None:
     r = _run("""
-        import sidecar.protocol, sidecar.client, sidecar.vllm, sidecar.sampling_params, sidecar.cli
-        from sidecar.protocol import SchedulerOutput
+        import sidecar.wire.protocol, sidecar.client.remote, sidecar.vllm, sidecar.wire.sampling_params, sidecar.cli
+        from sidecar.wire.protocol import SchedulerOutput
         out = SchedulerOutput.from_wire({"scheduled_new_reqs": [{"req_id": "a", "prompt_token_ids": [1, 2],
             "sampling_params": {"temperature": 0.5, "seed": 3}, "block_ids": [[0]]}],
             "num_scheduled_tokens": {"a": 2}, "total_num_scheduled_tokens": 2}, vocab_size=10, max_logprobs=5)
@@ -49,6 +49,6 @@ def test_wire_modules_import_without_mlx() -> None:
 
 def test_the_block_really_blocks_mlx() -> None:
     """Negative control: the same finder makes the MLX runner fail to import."""
-    r = _run("import sidecar.runner.sampler")
+    r = _run("import sidecar.engine.sampler")
     assert r.returncode != 0
     assert "blocked: mlx" in r.stderr

@@ -29,9 +29,9 @@ from sidecar.config import Config
 from sidecar.distributed.group import Channel, GroupLost, Watchdog, exit_soon, is_group_error, lost_ranks
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
-from sidecar.limits import Limits, check_step_shape
-from sidecar.runner.planner import plan_step
-from sidecar.worker import ALLOWED
+from sidecar.wire.limits import Limits, check_step_shape
+from sidecar.engine.planner import plan_step
+from sidecar.worker.mlx_worker import ALLOWED
 
 log = logging.getLogger("sidecar.distributed")
 

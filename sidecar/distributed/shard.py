@@ -26,11 +26,11 @@ from sidecar.config import Config
 from sidecar.distributed.group import Channel
 from sidecar.distributed.inflight import InFlight, guarded
 from sidecar.errors import ProtocolError
-from sidecar.protocol import check, get
-from sidecar.runner import kv_groups
-from sidecar.runner.kv_spec import LayerSpec, ModelCaches, spec_wire
-from sidecar.runner.sampler import SampleResult, Sampler, SamplingRow
-from sidecar.worker import MLXWorker, State
+from sidecar.wire.protocol import check, get
+from sidecar.worker import kv_groups
+from sidecar.kv.spec import LayerSpec, ModelCaches, spec_wire
+from sidecar.engine.sampler import SampleResult, Sampler, SamplingRow
+from sidecar.worker.mlx_worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.distributed")
 

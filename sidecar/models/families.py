@@ -215,7 +215,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "bailing_hybrid": {**_MOE, **_MLA, "num_hidden_layers": 4, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
                        "first_k_dense_replace": 1, "layer_group_size": 2, "group_norm_size": 1,
                        "routed_scaling_factor": 1.0, "num_key_value_heads": 4},
-    # Refused (tests/runner/test_architectures.py REFUSED): Metal-only kernels, a missing package.
+    # Refused (tests/engine/test_architectures.py REFUSED): Metal-only kernels, a missing package.
     "bitnet": {},
     "olmo": {"d_model": 64, "n_layers": 2, "mlp_hidden_size": 256, "n_heads": 4, "embedding_size": 256},
 }

@@ -14,7 +14,7 @@ import io
 import json
 from pathlib import Path
 
-from sidecar.runner.kv_spec import UnsupportedModel
+from sidecar.kv.spec import UnsupportedModel
 
 # What a module that exits on import (rather than raising ImportError) needs.
 _NEEDS = {"olmo": "ai2-olmo (hf_olmo)"}

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.client import RemoteError, RemoteWorker
-from sidecar.pipeline import Pipeline
+from sidecar.client.remote import RemoteError, RemoteWorker
+from sidecar.client.pipeline import Pipeline
 from sidecar.scheduler.chat import prompt_ids
 from sidecar.scheduler.pipelined import run_pipelined
 from sidecar.scheduler.scheduler import Event, Request, Scheduler, prefix_caching_offered, run

@@ -301,7 +301,7 @@ class Scheduler:
         """Prompt-lookup drafts computed here, for a worker that proposes none itself."""
         import numpy as np
 
-        from sidecar.runner.ngram import ngram_drafts
+        from sidecar.engine.ngram import ngram_drafts
 
         ids, drafts = [], []
         for req in self.running:

@@ -32,7 +32,7 @@ from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Config
 from sidecar.errors import (MethodNotAllowed, SidecarError, StartupError, Unavailable,
                             UnknownMethod, UnsupportedMediaType)
-from sidecar.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body
+from sidecar.wire.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body
 from sidecar.server.httpio import encode_reply
 from sidecar.server.httpio import media_type as _media_type
 from sidecar.server.httpio import BodyBudget
@@ -49,8 +49,8 @@ from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
 from sidecar.server.startup import preload, progress_reporter
 from sidecar.server.shutdown import drain, exit_when_idle
 from sidecar.server.state import Sidecar
-from sidecar.steps import fingerprint
-from sidecar.worker import MLXWorker, State
+from sidecar.wire.steps import fingerprint
+from sidecar.worker.mlx_worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
 slog = logging.getLogger("sidecar.server")

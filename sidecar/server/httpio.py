@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from sidecar.codec import JSON_TYPE, MSGPACK_TYPES, encode_body
+from sidecar.wire.codec import JSON_TYPE, MSGPACK_TYPES, encode_body
 from sidecar.errors import ClientClosed, PayloadTooLarge, Unavailable
 
 # An incoming X-Request-Id is reused when it is a plain token (no spaces, quotes or control

@@ -25,10 +25,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
-from sidecar.runner.kv_spec import spec_wire
-from sidecar.runner.model_runner import StepStats
+from sidecar.kv.spec import spec_wire
+from sidecar.engine.model_runner import StepStats
 from sidecar.server.instance import Instance
-from sidecar.worker import MLXWorker, State, device_memory_bytes
+from sidecar.worker.mlx_worker import MLXWorker, State, device_memory_bytes
 
 PREFIX = "mlx_worker_"
 
@@ -210,7 +210,7 @@ class Metrics:
         self.step_batch_size = Histogram(p + "step_batch_size", "Requests per step", buckets=BATCH_BUCKETS, registry=events)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "From a request's first sight to its first sampled token",
                               buckets=TTFT_BUCKETS, registry=events)
-        # Speculative decoding (runner/spec_decode.py): the acceptance rate is accepted / draft tokens.
+        # Speculative decoding (engine/spec_decode.py): the acceptance rate is accepted / draft tokens.
         self.spec_draft_tokens = Counter(p + "spec_decode_draft_tokens", "Draft tokens verified", registry=events)
         self.spec_accepted_tokens = Counter(p + "spec_decode_accepted_tokens", "Draft tokens accepted", registry=events)
         self.spec_drafts_per_step = Histogram(p + "spec_decode_draft_tokens_per_step", "Draft tokens verified per step "

@@ -13,8 +13,8 @@ import time
 from typing import Any, Callable, Mapping
 
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
-from sidecar.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
-from sidecar.worker import ALLOWED, MLXWorker
+from sidecar.wire.steps import RESETS, STEP_METHODS, StepLedger, step_id_of
+from sidecar.worker.mlx_worker import ALLOWED, MLXWorker
 
 log = logging.getLogger("sidecar.rpc")
 
@@ -26,7 +26,7 @@ def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger 
                 fingerprint: bytes = b"") -> Callable[[], Any]:
     """Check kwargs against the method's signature (400 naming the field) and return the call.
     A null argument means the parameter's default. With `steps`, step methods take an optional
-    `step_id` (exactly-once retries, see steps.py); `fingerprint` identifies the body."""
+    `step_id` (exactly-once retries, see wire/steps.py); `fingerprint` identifies the body."""
     fn = getattr(worker, method)
     params = _parameters(fn)
     step_id = step_id_of(kwargs, method) if steps is not None else None

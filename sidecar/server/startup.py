@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from sidecar.worker import MLXWorker
+from sidecar.worker.mlx_worker import MLXWorker
 
 slog = logging.getLogger("sidecar.server")
 READY = "ready"  # reported once at the end, with the total

@@ -13,8 +13,8 @@ from sidecar.server.metrics import Metrics
 from sidecar.server.rpc import MLXThread
 from sidecar.server.sequencer import StepSequencer
 from sidecar.server.startup import Startup
-from sidecar.steps import StepLedger
-from sidecar.worker import MLXWorker
+from sidecar.wire.steps import StepLedger
+from sidecar.worker.mlx_worker import MLXWorker
 
 
 @dataclass

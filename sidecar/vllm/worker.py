@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client.remote import RemoteError, RemoteWorker
 from sidecar.vllm import convert
 from sidecar.vllm.convert import Unsupported
 

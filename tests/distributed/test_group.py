@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client.remote import RemoteError, RemoteWorker
 from tests.distributed.groupproc import Group, start_group
 from tests.driver import Driver
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.client import RemoteWorker
+from sidecar.client.remote import RemoteWorker
 from tests.distributed.groupproc import start_group
 from tests.distributed.test_leader import BLOCKS, BS, FLAGS, PROMPTS, STEPS, workload
-from tests.runner.test_kv_quant import quant_greedy
+from tests.kv.test_quant import quant_greedy
 
 pytestmark = pytest.mark.distributed
 

@@ -11,7 +11,7 @@ import httpx
 import msgpack
 import pytest
 
-from sidecar.client import RemoteWorker
+from sidecar.client.remote import RemoteWorker
 from tests.conftest import mlx_lm_greedy
 from tests.distributed.groupproc import Group, start_group
 from tests.driver import Driver

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sidecar.client import RemoteWorker
+from sidecar.client.remote import RemoteWorker
 from tests.driver import Driver
 from tests.server.serverproc import ROOT, free_port
 

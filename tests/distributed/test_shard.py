@@ -10,7 +10,7 @@ import pytest
 from sidecar.config import Config
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import ProtocolError
-from sidecar.worker import State
+from sidecar.worker.mlx_worker import State
 
 
 @dataclass

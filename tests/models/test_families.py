@@ -1,6 +1,6 @@
 """The family built-ins: generated on first use with the trained tokenizer, served token-exact, and
 each reports the layer kinds that make it interesting. (Every family generator config is exercised
-through the paged cache in tests/runner/test_architectures.py.)"""
+through the paged cache in tests/engine/test_architectures.py.)"""
 
 from __future__ import annotations
 

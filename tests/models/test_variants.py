@@ -16,9 +16,9 @@ from mlx.utils import tree_flatten
 from sidecar.config import Config
 from sidecar.errors import ProtocolError
 from sidecar.models import variants
-from sidecar.worker import MLXWorker
+from sidecar.worker.mlx_worker import MLXWorker
 from tests.conftest import mlx_lm_greedy
-from tests.runner.test_architectures import BLOCK, NEW, prompts, serve, served, tiny_dir
+from tests.engine.test_architectures import BLOCK, NEW, prompts, serve, served, tiny_dir
 
 # (family, variant, prefill chunk): chunks of 7 are shorter than every prompt. bf16 recurrent
 # state is exact only with whole prompts: mlx-lm's own tokens change with its prefill split there.

@@ -7,8 +7,8 @@ from typing import Iterator
 
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
-from sidecar.pipeline import Pipeline
+from sidecar.client.remote import RemoteError, RemoteWorker
+from sidecar.client.pipeline import Pipeline
 from sidecar.scheduler import Request, Scheduler, run
 from sidecar.scheduler.pipelined import run_pipelined, schedule_ahead
 from tests.conftest import mlx_lm_greedy

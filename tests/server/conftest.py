@@ -16,7 +16,7 @@ LIMITS = ["--max-live-requests", "4", "--max-req-id-len", "64", "--max-model-len
 
 @pytest.fixture(scope="session")
 def shared_lora_root(home: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.runner.test_lora import make_adapter
+    from tests.engine.test_lora import make_adapter
 
     base = tmp_path_factory.mktemp("hardening")
     root = base / "loras"

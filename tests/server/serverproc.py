@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from sidecar.http1 import Connection
+from sidecar.client.http1 import Connection
 
 ROOT = Path(__file__).resolve().parents[2]
 

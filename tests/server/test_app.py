@@ -13,7 +13,7 @@ import httpx
 import msgpack
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client.remote import RemoteError, RemoteWorker
 from tests.conftest import mlx_lm_greedy
 from tests.driver import Driver
 from tests.server.serverproc import start_server
@@ -218,7 +218,7 @@ def test_json_logit_bias_uses_string_keys(server, remote: RemoteWorker) -> None:
 
 
 def test_lora_calls_over_http(home: str, tmp_path) -> None:
-    from tests.runner.test_lora import make_adapter
+    from tests.engine.test_lora import make_adapter
 
     make_adapter(home, tmp_path / "loras" / "one", seed=1)
     with start_server("--lora-dir", str(tmp_path / "loras"), "--preload") as s:

@@ -12,7 +12,7 @@ import httpx
 import msgpack
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client.remote import RemoteError, RemoteWorker
 from tests.conftest import mlx_lm_greedy
 from tests.driver import Driver
 from tests.server.serverproc import finish, free_port, prefill

@@ -9,7 +9,7 @@ import httpx
 import msgpack
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client.remote import RemoteError, RemoteWorker
 from tests.server.serverproc import finish, prefill, start_server
 from tests.server.test_metrics import scrape, value
 

@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from sidecar.config import Config
 from sidecar.server.app import create_app
 from sidecar.server.logs import JsonFormatter, TextFormatter, add_secret
-from sidecar.worker import MLXWorker
+from sidecar.worker.mlx_worker import MLXWorker
 from tests.server.serverproc import start_server
 
 

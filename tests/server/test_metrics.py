@@ -18,10 +18,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.client import RemoteWorker
+from sidecar.client.remote import RemoteWorker
 from sidecar.config import Config
 from sidecar.server.metrics import Metrics
-from sidecar.worker import MLXWorker
+from sidecar.worker.mlx_worker import MLXWorker
 from tests.driver import Driver
 from tests.server.serverproc import finish, free_port, prefill, slow_prefill_tokens, start_server
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client.remote import RemoteError, RemoteWorker
 from tests.conftest import mlx_lm_greedy
 from tests.driver import Driver
-from tests.runner.test_architectures import tiny_dir
+from tests.engine.test_architectures import tiny_dir
 from tests.server.serverproc import start_server
 
 

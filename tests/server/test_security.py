@@ -14,8 +14,8 @@ import httpx
 import msgpack
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
-from sidecar.pipeline import Pipeline
+from sidecar.client.remote import RemoteError, RemoteWorker
+from sidecar.client.pipeline import Pipeline
 from tests.server.serverproc import finish, prefill, slow_prefill_tokens, spawn, start_server
 
 TOKEN = "s3cret-Token_0123456789abcdef"

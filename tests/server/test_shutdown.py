@@ -12,7 +12,7 @@ import httpx
 
 from starlette.testclient import TestClient
 
-from sidecar.client import RemoteWorker
+from sidecar.client.remote import RemoteWorker
 from sidecar.config import Config
 from sidecar.server.app import create_app
 from tests.server.serverproc import prefill, slow_prefill_tokens, start_server

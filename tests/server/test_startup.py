@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from sidecar.client import RemoteError, RemoteWorker
+from sidecar.client.remote import RemoteError, RemoteWorker
 from sidecar.config import Config
 from sidecar.server.startup import READY, Startup, preload, progress_reporter
-from sidecar.worker import MLXWorker
+from sidecar.worker.mlx_worker import MLXWorker
 from tests.server.serverproc import ROOT, _probe, free_port, spawn
 
 # A preload of a few seconds on the tiny model (a 3072-token profile prefill, twice): `generate`,
@@ -173,7 +173,7 @@ def test_generate_reports_a_failed_preload_instead_of_waiting(home: str, tmp_pat
 
 def test_preload_sizes_the_pool_from_available_memory_not_the_machines_total(home: str, monkeypatch,
                                                                           tmp_path) -> None:
-    from sidecar import memory
+    from sidecar.worker import memory
 
     # Default limits (64 sequences of the model's full length): more than the fake machine can give.
     w = MLXWorker(Config(model="builtin:tiny", home=home, max_num_batched_tokens=64))

@@ -4,7 +4,7 @@ JSON on stdin -> JSON on stdout.
 {"model": "builtin:tiny", "prompts": [[int]], "max_tokens": n}
   -> [{"tokens": [int], "logprobs": [float], "prompt_logprobs": [float]}] (greedy, each prompt alone)
 {"model": ..., "prompts": [[int]], "max_tokens": n, "kv_bits": 8|4} -> [{"tokens", "logprobs"}] (mlx-lm with its
-  QuantizedKVCache from the first token: tests/runner/test_kv_quant.py's oracle)
+  QuantizedKVCache from the first token: tests/kv/test_quant.py's oracle)
 {"model": ..., "chat": [messages], "max_tokens": n} -> {"prompt": [int], "tokens": [int], "text": str}
 "adapter": <dir> applies an mlx-lm LoRA adapter; {"model": ..., "make_adapter": <dir>, "seed": s} makes one.
 """
@@ -55,7 +55,7 @@ def main() -> None:
         json.dump({"prompt": prompt, "tokens": tokens, "text": tokenizer.decode(tokens)}, sys.stdout)
         return
     if req.get("kv_bits"):
-        from tests.runner.test_kv_quant import quant_greedy
+        from tests.kv.test_quant import quant_greedy
 
         runs = [quant_greedy(model, p, n, req["kv_bits"]) for p in req["prompts"]]
         json.dump([{"tokens": t, "logprobs": lp} for t, lp in runs], sys.stdout)

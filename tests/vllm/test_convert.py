@@ -12,7 +12,7 @@ from vllm.v1.core.sched.output import CachedRequestData, GrammarOutput, NewReque
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
-from sidecar.protocol import SchedulerOutput as WireSchedulerOutput
+from sidecar.wire.protocol import SchedulerOutput as WireSchedulerOutput
 from sidecar.vllm import convert
 from sidecar.vllm.worker import sidecar_settings
 

@@ -1,0 +1,357 @@
+"""The model runner: batch building, forward through the paged cache, sampling, output.
+
+A step's rows are split into decode rows (one token) and prefill chunks of similar length, each
+run as one padded batch, so a long chunk never pads 63 decodes (or a short chunk) up to its length.
+Only the positions whose logits are needed (each row's last, plus prompt-logprob positions) go
+through the LM head (selection.py). After a step, the likely next decode forward is queued
+(overlap.py) so it computes during the RPC round trip; outputs.py builds the step's output.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from sidecar.errors import ProtocolError, StateError
+from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
+from sidecar.engine import prefill_split
+from sidecar.engine.grammar import GrammarMask, apply_grammar, decode_grammar
+from sidecar.engine.lora import LoRAManager
+from sidecar.kv.batch_caches import build_caches, exact_batches, read_bounded, read_limit
+from sidecar.kv.pool import KVPool, LayerSpec
+from sidecar.kv.spec import STATE, ModelCaches
+from sidecar.engine.overlap import DecodeOverlap
+from sidecar.engine.planner import apply, plan_step
+from sidecar.engine.state import RequestState, Row, StepPlan
+from sidecar.engine.outputs import StepStats, build_output
+from sidecar.engine.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
+from sidecar.engine.selection import logits_at
+from sidecar.engine.spec_decode import SpecCounters, Verified, verify
+
+
+def _padding_bounded_groups(rows: list[int], lengths: list[int], slack: float = 1.25) -> list[list[int]]:
+    """Split prefill rows into padded batches that compute at most `slack` x the real tokens:
+    longest first, a row joins while the batch's padded size stays within the bound."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(rows, key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slack * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
+
+def _plain_greedy(row: Row) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: argmax is the whole sampler."""
+    p = row.state.sampling_params
+    return (p.greedy and not p.has_penalties and not p.logit_bias and not p.allowed_token_ids
+            and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)
+
+
+@dataclass
+class _Pending:
+    """A step whose sampling waits for `sample_tokens` (v2 two-phase step): its forward is queued."""
+
+    rows: list[Row]
+    logits: mx.array | None
+    prompt_lp: dict
+    restore: Callable[[], None]  # rolls the step's request state back
+    started: float
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, specs: Sequence[LayerSpec], *, vocab_size: int,
+                 eos_token_ids: Sequence[int], max_model_len: int, max_logprobs: int, seed: int = 0,
+                 lora_dir: str | None = None, max_loras: int = 8, decode_ahead: bool = True,
+                 caches: ModelCaches | None = None):
+        self.model = model
+        self.specs = list(specs)
+        self.caches = caches or ModelCaches(self.specs, list(range(len(self.specs))))
+        self.set_groups(self.caches.groups())
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.sampler = Sampler(vocab_size, eos_token_ids, seed)
+        self.requests: dict[str, RequestState] = {}
+        self.pool: KVPool | None = None
+        self.last_stats = StepStats()
+        self.lora = LoRAManager(model, lora_dir, max_loras)
+        # The overlap writes a guessed step's K/V; a recurrent state it advanced could not be undone.
+        self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
+        self.overlap = DecodeOverlap()
+        self._pending: _Pending | None = None
+        self.spec = SpecCounters()
+        self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
+        # The hook for distributed groups: when set, each padded batch of `forward` runs inside this
+        # context and is evaluated before the next is built (distributed/shard.py).
+        self.batch_guard: Callable[[], AbstractContextManager] | None = None
+
+    ahead_hits = property(lambda self: self.overlap.hits)  # decode rows taken from the queued forward
+    ahead_misses = property(lambda self: self.overlap.misses)  # rows it computed for nothing
+
+    def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """KV cache groups as leaf indices, in the order requests send their block lists."""
+        self.groups = [list(g) for g in groups]
+        self.group_of = [0] * len(self.specs)
+        for g, leaves in enumerate(self.groups):
+            for leaf in leaves:
+                self.group_of[leaf] = g
+        state = frozenset(g for g, leaves in enumerate(self.groups) if self.specs[leaves[0]].kind == STATE)
+        self.state_groups = state if self.caches.has_state else None
+
+    def set_model(self, model: nn.Module) -> None:
+        self.model = model
+        self.lora.attach(model)
+
+    def drop_model(self) -> None:
+        """Release every reference to the weights (sleep level 2); set_model brings them back."""
+        self.overlap.clear()
+        self.model = self.lora.model = None  # type: ignore[assignment]
+
+    def loras_in_use(self) -> set[int]:
+        return {s.lora_id for s in self.requests.values()} - {0}
+
+    # --- pool -------------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> None:
+        self.free()
+        self.pool = KVPool(self.specs, num_blocks)
+        if self.proposer is not None:
+            self.proposer.allocate(num_blocks)
+
+    def free(self) -> None:
+        self.overlap.clear()
+        self._pending = self.pool = None
+        self.requests.clear()
+        if self.proposer is not None:
+            self.proposer.free()
+
+    def read_limit(self) -> int:
+        return read_limit(self.num_blocks * self.pool.block_size if self.pool else 0, self.max_model_len)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks if self.pool else 0
+
+    def blocks_in_use(self) -> int:
+        return len({b for s in self.requests.values() for t in [s.block_ids, *s.other_block_ids] for b in t})
+
+    # --- the step -------------------------------------------------------------------------
+
+    def decode(self, d: Any) -> SchedulerOutput:
+        return SchedulerOutput.from_wire(d, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
+
+    def execute_model(self, out: SchedulerOutput, defer_sampling: bool = False) -> ModelRunnerOutput | None:
+        """Run a step: plan -> batches -> forward -> sample -> output, then queue the likely next
+        decode (overlap.py). With `defer_sampling` (v2) the forward is queued and None returned;
+        `sample_tokens` then samples it (with a grammar bitmask) and returns the output."""
+        assert self.pool is not None, "the cache must be initialised first"
+        if self._pending is not None:
+            raise StateError("execute_model: the previous step waits for sample_tokens; call sample_tokens first")
+        t0 = time.perf_counter()
+        plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+                         vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
+                         state_groups=self.state_groups, num_groups=len(self.groups))
+        restore = self._apply(plan)
+        try:
+            logits, prompt_lp = self._logits(plan.rows)
+            if defer_sampling:
+                if logits is not None:
+                    mx.async_eval(logits, *self.pool.arrays())
+                self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
+                self.last_stats = StepStats()
+                return None
+            result = self._finish(plan.rows, logits, prompt_lp, live=True)
+        except BaseException:
+            restore()
+            raise
+        self.last_stats.seconds = time.perf_counter() - t0
+        return result
+
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        """Sample the step `execute_model(defer_sampling=True)` queued, applying vLLM's grammar
+        bitmask (validated first: a rejected call leaves the step pending)."""
+        p = self._pending
+        if p is None:
+            raise StateError("sample_tokens: no step is pending; call execute_model with defer_sampling first")
+        grammar = decode_grammar(grammar_output, [r.state.req_id for r in p.rows], self.vocab_size)
+        if grammar is not None and grammar.rows and any(r.num_draft for r in p.rows):
+            raise ProtocolError("a grammar bitmask with speculative tokens in the step is not supported",
+                                field="grammar_output")
+        self._pending = None
+        try:
+            result = self._finish(p.rows, p.logits, p.prompt_lp, grammar, live=True)
+        except BaseException:
+            p.restore()
+            raise
+        self.last_stats.seconds = time.perf_counter() - p.started
+        return result
+
+    def run_rows(self, rows: list[Row]) -> ModelRunnerOutput:
+        """Forward and sample rows outside the scheduler's steps (the memory profile): nothing
+        proposed, nothing queued, the queued forward left alone."""
+        return self._finish(rows, *self._logits(rows, overlap=False))
+
+    def _apply(self, plan: StepPlan) -> Callable[[], None]:
+        """Apply the plan to the request state and block copies to the pool; returns what rolls
+        the state back (an internal error leaves the worker as before the step)."""
+        live = dict(self.requests)
+        touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at,
+                    s.other_block_ids) for s in (row.state for row in plan.rows)]
+
+        def restore() -> None:
+            self.overlap.clear()
+            self._pending = None
+            self.requests = live
+            for s, blocks, computed, outputs, n, first, other in touched:
+                del outputs[n:]
+                s.block_ids, s.num_computed_tokens, s.output_token_ids, s.first_token_at = blocks, computed, outputs, first
+                s.other_block_ids = other
+
+        apply(self.requests, plan)
+        if self.proposer is not None:
+            self.proposer.forget(plan.finished)
+        if plan.block_copies:  # before the forward; the queued decode may have read a destination
+            self.overlap.clear()
+            try:
+                self.pool.copy_blocks(plan.block_copies)  # type: ignore[union-attr]
+            except BaseException:
+                restore()
+                raise
+        return restore
+
+    def _logits(self, rows: list[Row], overlap: bool = True) -> tuple[mx.array | None, dict]:
+        """The step's forward (lazy): each row's last logits and prompt-logprob spans. Decode rows
+        the queued forward computed are taken from it; the rest run as padded batches."""
+        if not rows:
+            return None, {}
+        last: list[mx.array | None] = [None] * len(rows)
+        decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
+        if overlap:
+            decode = self.overlap.take(self, rows, decode, last)
+        prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
+        prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
+        if prefill_split.applies(self.caches):  # mlx-lm's: a sampling chunk's head, then its last token
+            rows, tails = prefill_split.forward_heads(self, rows)
+            decode, prefill = decode + tails, [i for i in prefill if i not in set(tails)]
+        if self.caches.has_state or self.caches.scalar_offsets:
+            batches = exact_batches(rows, decode + prefill, self.caches)
+        else:
+            batches = [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]
+        limit = self.read_limit()
+        stores: list = []  # recurrent states are written back once every batch of the step is built
+        for parts in [read_bounded(rows, group, limit) for group in batches]:
+            for group in parts:
+                if group:
+                    self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
+                    if len(parts) > 1:  # one part at a time: no two parts' reads held at once
+                        mx.eval([last[i] for i in group])
+        for store in stores:
+            store()
+        return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
+
+    def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, grammar: GrammarMask | None = None,
+                live: bool = False) -> ModelRunnerOutput:
+        """Sample the step's logits and build its output; a `live` step (the scheduler's) also
+        hands its tokens to the proposer and queues the likely next decode."""
+        if logits is None:
+            self.last_stats = StepStats()
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        logits = apply_grammar(logits, grammar)
+        verified: Verified | None = None
+        if any(r.num_draft for r in rows):
+            probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
+            verified = verify(self.sampler, logits, rows, probs)
+            res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
+        elif grammar is None and all(_plain_greedy(r) for r in rows):  # argmax is the whole sampler
+            tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
+            mx.eval(tokens, nans, self.pool.arrays())  # type: ignore[union-attr]
+            res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
+        else:
+            res = self.sampler.sample(logits, [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids,
+                                                           r.state.output_token_ids) for r in rows])
+        # Computed with the logits already; evaluated, no task of the step holds a pool buffer.
+        mx.eval(self.pool.arrays())  # type: ignore[union-attr]
+        if live:
+            drafted = self._propose(rows, res, verified)
+            # A row that verified drafts decodes its last token next, after the accepted ones.
+            last_tok = res.token_ids if verified is None else [t[-1] if t else 0 for t in verified.token_ids]
+            at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
+                  for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
+            if self.decode_ahead:
+                self.overlap.queue(self, rows, last_tok, at, drafted)
+        out, self.last_stats = build_output(rows, res, verified, prompt_lp)
+        if verified is not None:
+            self.spec = SpecCounters(self.spec.draft_tokens + verified.num_draft,
+                                     self.spec.accepted_tokens + verified.num_accepted, self.spec.steps_with_drafts + 1)
+        return out
+
+    def forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
+                stores: list | None = None) -> None:
+        """One padded batch of `rows` through the paged cache, lazy: fills `last[where[b]]` with row
+        b's logits [1 + num_draft, V] (its last position, and its drafts') and `prompt_lp[where[b]]`
+        with its prompt-logprob span (logits, targets). Recurrent states are stored now, or, with
+        `stores`, by the callable appended to it (once every batch of the step is built)."""
+        if self.batch_guard is None:
+            return self._batch(rows, where, last, prompt_lp, stores)
+        with self.batch_guard():
+            self._batch(rows, where, last, prompt_lp, stores)
+            mx.eval([last[w] for w in where])
+
+    def _batch(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict, stores: list | None) -> None:
+        pool = self.pool
+        assert pool is not None
+        lengths = [len(r.token_ids) for r in rows]
+        L = max(lengths)
+        ids = np.zeros((len(rows), L), np.int32)
+        for b, r in enumerate(rows):
+            ids[b, : lengths[b]] = r.token_ids
+        # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
+        select: list[int] = []
+        last_at: list[int] = []
+        spans: list[tuple[int, int, int, list[int]]] = []  # (row, first index in select, count, targets)
+        for b, r in enumerate(rows):
+            k = r.state.sampling_params.prompt_logprobs
+            P = len(r.state.prompt_token_ids)
+            hi = min(r.end, P - 1)
+            if k is not None and hi > r.start:
+                spans.append((b, len(select), hi - r.start, r.state.prompt_token_ids[r.start + 1 : hi + 1]))
+                select.extend(b * L + i for i in range(hi - r.start))
+            last_at.append(len(select))
+            select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
+        # Every position selected (a batch of decodes): no gather.
+        index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
+        caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths)
+        if self.lora.adapters:
+            self.lora.set_rows([r.state.lora_id for r in rows])
+        try:
+            logits = logits_at(self.model, mx.array(ids), caches, index)
+            if stores is not None:
+                stores.append(store_states)
+            else:
+                store_states()
+        finally:
+            self.lora.rows.groups = []
+        # Kept in the model's dtype: greedy ranks them as mlx-lm does (sampler.greedy_tokens); the
+        # sampler and logprobs work in float32 from them.
+        for b, w in enumerate(where):
+            last[w] = logits[last_at[b] : last_at[b] + 1 + rows[b].num_draft]
+        for b, first, count, targets in spans:
+            prompt_lp[where[b]] = (logits[first : first + count], targets)
+
+    def _propose(self, rows: list[Row], res: SampleResult, verified: Verified | None) -> set[str]:
+        """Hand this step's tokens to the proposer (drafts for the next step); returns the ids it drafted for."""
+        if self.proposer is None:
+            return set()
+        toks = [[int(t)] if r.sample else [] for r, t in zip(rows, res.token_ids)] if verified is None else verified.token_ids
+        return self.proposer.propose(self, rows, toks)

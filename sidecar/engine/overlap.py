@@ -1,0 +1,141 @@
+"""Decode overlap: the likely next decode forward, queued as a step returns (mlx-lm's generate loop).
+
+The runner calls it at two points:
+
+- `queue`, once a step's tokens are known: every row that sampled most likely decodes its new
+  token next, with the same block table. That forward is built and handed to `mx.async_eval`, so
+  it computes while the reply travels and the scheduler plans.
+- `take`, when the next step arrives: its decode rows that match the queued forward exactly (same
+  request, position, token and blocks) use its logits; the runner computes the rest.
+
+Why a miss is harmless: the queued forward's only side effect is the K/V of that token at that
+position, in a slot of the request's own last, partial block, which the scheduler assigns to
+exactly this token and which no other request reads before writing it itself (a partial block is
+never prefix-cached). Recurrent state it advanced could not be undone: the runner keeps the
+overlap off for such models.
+
+Why only once the step's tokens are known: a task of the step still holding a pool buffer would
+keep MLX from donating that buffer to the forward's K/V write, which would then copy the layer's
+whole pool.
+
+A row whose next token opens a new block (it "crosses"): the scheduler allocates that block with
+the step that decodes the token, so its id is not known yet. The row's forward reads and writes
+its blocks followed by the pool's scratch block (kv_cache.py: a block id past every request's, of
+which only slot 0 exists). When the next step brings exactly that decode plus the block B it
+allocated, the scratch slot is copied into B's slot 0 in every layer before anything can read B
+(a prefix hit on B only comes once B is full), and the logits are used. A miss leaves nothing
+behind: no request can address the scratch slot, and the next crossing overwrites it. One row
+crosses per queued forward (one scratch slot), on models whose every layer is plain full
+attention (one KV cache group, quantised K/V included).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from sidecar.kv.pool import KVPool, _parts
+from sidecar.kv.spec import ATTENTION
+from sidecar.engine.state import Row
+
+# Internal, for the tests and the bench that compare against it: MLX_SIDECAR_BOUNDARY_AHEAD=0
+# (or `crossing = False`) queues no forward for a row whose next token opens a new block.
+crossing = os.environ.get("MLX_SIDECAR_BOUNDARY_AHEAD", "1") != "0"
+
+
+def blocks_key(row: Row, n: int) -> tuple:
+    """Every group's first n blocks: a queued forward read and wrote exactly these."""
+    return tuple(tuple(t[:n]) for t in [row.block_ids, *row.other_block_ids])
+
+
+def crossing_supported(runner: Any) -> bool:
+    return crossing and len(runner.groups) == 1 and all(
+        s.kind == ATTENTION and not s.sliding_window and not s.attention_chunk_size for s in runner.specs)
+
+
+@dataclass
+class Queued:
+    """The queued forward: req_id -> (position, token, blocks, its row in `logits`)."""
+
+    rows: dict[str, tuple[int, int, tuple, int]]
+    logits: mx.array  # [rows, vocab]
+    crossing_id: str | None = None  # the row that wrote into the scratch slot
+    crossing_kv: Sequence[mx.array] = ()  # its K/V, read back from the scratch slot (one per pool array)
+
+
+class DecodeOverlap:
+    def __init__(self) -> None:
+        self.queued: Queued | None = None
+        self.hits = self.misses = 0  # decode rows taken from a queued forward / queued for nothing
+
+    def clear(self) -> None:
+        self.queued = None
+
+    def queue(self, runner: Any, rows: Sequence[Row], tokens: Sequence[int], at: Sequence[int],
+              skip: set[str] | frozenset[str] = frozenset()) -> None:
+        """After a step whose `tokens` are known (and computed, with every pool write of the step):
+        queue the decode of each sampled row's token at `at` (its next position: r.end, or past the
+        drafts it accepted), unless it got new drafts (`skip`: its next step verifies them)."""
+        self.queued = None
+        pool: KVPool = runner.pool
+        bs = pool.block_size
+        idx = [i for i, r in enumerate(rows) if r.sample and r.state.req_id not in skip
+               and at[i] <= len(r.block_ids) * bs and at[i] < runner.max_model_len
+               and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
+               < (r.state.sampling_params.max_tokens or 1 << 62)]
+        inside = [i for i in idx if at[i] < len(rows[i].block_ids) * bs]
+        cross = next((i for i in idx if i not in inside), None) if crossing_supported(runner) else None
+        idx = sorted(inside + ([] if cross is None else [cross]))
+        if not idx or len(idx) * (max(at[i] for i in idx) + 1) > runner.read_limit():
+            return  # (one batch only: past the read limit the next step splits its rows itself)
+        nxt = [Row(rows[i].state, at[i], [int(tokens[i])], [*rows[i].block_ids, pool.scratch] if i == cross
+                   else rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids) for i in idx]
+        last: list = [None] * len(nxt)
+        runner.forward(nxt, list(range(len(nxt))), last, {})
+        logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)
+        kv: list[mx.array] = []
+        if cross is not None:  # arrays of their own: landing them is an in-place slice update
+            src = mx.array([pool.scratch * bs], dtype=mx.int32)
+            kv = [a[:, :, src] for leaf in pool.keys + pool.values for a in _parts(leaf)]
+        mx.async_eval(logits, *pool.arrays(), *kv)
+        self.queued = Queued({rows[i].state.req_id: (at[i], int(tokens[i]), blocks_key(rows[i], at[i] // bs + 1), j)
+                              for j, i in enumerate(idx)}, logits,
+                             None if cross is None else rows[cross].state.req_id, kv)
+
+    def take(self, runner: Any, rows: Sequence[Row], decode: list[int], last: list) -> list[int]:
+        """Fill `last` for the decode rows the queued forward computed; returns the rest."""
+        q, self.queued = self.queued, None
+        if q is None:
+            return decode
+        bs = runner.pool.block_size
+        rest = []
+        for i in decode:
+            r = rows[i]
+            got = q.rows.get(r.state.req_id)
+            crossed = r.state.req_id == q.crossing_id  # matches on its first blocks; lands in its new one
+            if got is not None and got[:3] == (r.start, r.token_ids[0], blocks_key(r, r.start // bs + (not crossed))) \
+                    and (not crossed or _land(runner.pool, r, q.crossing_kv)):
+                last[i] = q.logits[got[3] : got[3] + 1]
+            else:
+                rest.append(i)
+        self.hits += len(decode) - len(rest)
+        self.misses += len(q.rows) - (len(decode) - len(rest))
+        return rest
+
+
+def _land(pool: KVPool, row: Row, kv: Sequence[mx.array]) -> bool:
+    """Write the crossing token's K/V into slot 0 of the block the step allocated for it, in every
+    layer; False when the step gives the row no block there (a miss)."""
+    n = row.start // pool.block_size
+    if row.start % pool.block_size or len(row.block_ids) <= n:
+        return False
+    dst = row.block_ids[n] * pool.block_size
+    mx.eval(kv)  # (computed by now, normally): no pool array then has a reader left
+    landed = [a for leaf in pool.keys + pool.values for a in _parts(leaf)]
+    for a, x in zip(landed, kv):
+        a[:, :, dst : dst + 1] = x
+    mx.eval(landed)
+    return True

@@ -1,0 +1,59 @@
+"""mlx-lm's prefill split: a prompt's tokens but the last, then the last one alone.
+
+mlx-lm's `generate_step` prefills all of a prompt but its last token, then runs that token as its
+first one-token step. Several layers compute a one-token call another way than a longer one (MLA's
+absorbed decode path, a recurrent layer's step against its chunked scan, a one-query attention):
+the same sums in another order, which in bf16/fp16 (and in recurrent state at all) moves the
+logits by rounding steps, enough to flip a near-tie. So on such models a chunk that ends at its
+row's known tokens (the row samples) is forwarded the same way: its head first, then its last
+token, with the step's decode rows (one-token rows already run apart from prefill), so the split
+costs no extra forward when the step decodes too. Full-precision attention-only models, whose
+one-token and longer calls agree to float32 rounding, run whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+from sidecar.kv.batch_caches import exact_batches
+from sidecar.kv.spec import ModelCaches
+from sidecar.engine.state import Row
+
+
+def applies(caches: ModelCaches) -> bool:
+    """Recurrent state, or half-precision caches (the model computes in bf16/fp16)."""
+    return caches.has_state or any(s.dtype in ("float16", "bfloat16") for s in caches.specs)
+
+
+def split(rows: Sequence[Row]) -> tuple[list[Row], list[Row], list[int]]:
+    """(rows to forward in place of `rows`, heads to forward first, indices of the split rows).
+    A row that asks for prompt logprobs (every position's logits) or verifies drafts stays whole."""
+    heads: list[Row] = []
+    out: list[Row] = []
+    tails: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.token_ids) > 1 and r.sample and not r.num_draft and r.state.sampling_params.prompt_logprobs is None:
+            heads.append(replace(r, token_ids=r.token_ids[:-1], sample=False))
+            out.append(replace(r, start=r.end - 1, token_ids=r.token_ids[-1:]))
+            tails.append(i)
+        else:
+            out.append(r)
+    return out, heads, tails
+
+
+def forward_heads(runner: Any, rows: Sequence[Row]) -> tuple[list[Row], list[int]]:
+    """Forward the heads of the rows `split` splits (recurrent states stored); returns the rows the
+    step's own forward then runs, in `rows`' order, and which of them are now one-token tails."""
+    rows, heads, tails = split(rows)
+    caches = runner.caches
+    if caches.has_state or caches.scalar_offsets:
+        groups = exact_batches(heads, list(range(len(heads))), caches)
+    else:
+        groups = [list(range(len(heads)))] if heads else []
+    stores: list = []
+    for group in groups:
+        runner.forward([heads[i] for i in group], group, [None] * len(heads), {}, stores=stores)
+    for store in stores:
+        store()
+    return rows, tails

@@ -1,0 +1,1 @@
+"""The worker: MLXWorker and its lifecycle, memory budget, sleep, KV-group validation, profiling."""

@@ -1,0 +1,74 @@
+"""The load-time batching probe and the exact (unpadded) batches of models that need them."""
+
+from __future__ import annotations
+
+from sidecar.kv.batch_caches import exact_batches, read_bounded, read_limit
+from sidecar.kv.spec import ModelCaches
+from sidecar.engine.state import RequestState, Row
+from sidecar.engine.sampler import SamplingParams
+from tests.engine.test_architectures import served
+
+
+def test_probe_finds_models_that_cannot_take_padded_batches(home: str) -> None:
+    # gpt_bigcode builds positions with numpy from the offset (an error with per-row offsets);
+    # afm7's KV-reuse layers take positions from the number of keys read (silently wrong).
+    for family, one_row in (("llama", False), ("gemma3_text", False), ("gpt_bigcode", True), ("afm7", True)):
+        w = served(home, family)
+        assert w.runner.caches.scalar_offsets is one_row, family
+        assert w.runner.decode_ahead is (not one_row and w.config.decode_ahead)
+
+
+def test_exact_batches_group_equal_lengths_and_fresh_rows_apart() -> None:
+    p = SamplingParams(temperature=0.0)
+    rows = [Row(RequestState(str(i), [1] * 9, p, [i]), start, [1] * n, [i], True)
+            for i, (start, n) in enumerate([(0, 4), (4, 4), (0, 4), (8, 1), (3, 1), (0, 2)])]
+    caches = ModelCaches([], [])
+    assert exact_batches(rows, list(range(6)), caches) == [[0, 2], [1], [3, 4], [5]]
+    caches.scalar_offsets = True
+    assert exact_batches(rows, [0, 1, 2], caches) == [[0], [1], [2]]
+
+
+def test_read_bounded_splits_only_past_the_limit() -> None:
+    def row(end: int) -> Row:
+        s = RequestState(f"r{end}", [1] * end, SamplingParams(temperature=0.0), [0])
+        return Row(s, end - 1, [1], [0], True)
+
+    rows = [row(e) for e in (100, 10, 90, 20, 100)]
+    assert read_bounded(rows, [0, 1, 2, 3, 4], 500) == [[0, 1, 2, 3, 4]]  # 5 x 100: within
+    got = read_bounded(rows, [0, 1, 2, 3, 4], 200)
+    assert sorted(i for b in got for i in b) == [0, 1, 2, 3, 4]  # every row once
+    assert all(len(b) * max(rows[i].end for i in b) <= 200 for b in got) and len(got) > 1
+    assert read_bounded(rows, [0], 50) == [[0]]  # one row alone, whatever its context
+    assert read_limit(256, 2000) == 2000 and read_limit(256, 10) == 4 * 256
+
+
+def test_a_fan_out_over_a_shared_prefix_is_split_and_keeps_mlx_lm_tokens(make_worker, oracle_model, monkeypatch) -> None:
+    """Twelve requests on one 64-token prefix (prefix hits on the same blocks): a decode step
+    would read 12 x ~70 key slots per layer, past the limit of an 8-block pool (4 x 128); it runs
+    as several batches, each request's tokens still mlx-lm's own."""
+    from sidecar.engine.model_runner import ModelRunner
+    from tests.conftest import mlx_lm_greedy
+    from tests.driver import Driver
+
+    w = make_worker(num_blocks=32, max_model_len=128)
+    monkeypatch.setattr(w.runner, "read_limit", lambda: 4 * 8 * 16)  # an 8-block pool's
+    model = oracle_model("builtin:tiny")
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    prefix = [(7 * i) % 200 + 3 for i in range(64)]
+    d.add("a", prefix + [5])
+    d.step(chunk=80)
+    shared = d.reqs["a"].blocks[:4]  # the prefix's four full blocks
+    for k in range(12):
+        d.add(f"f{k}", prefix + [9 + k], blocks=shared + d.alloc(1), computed=64)
+    forwards: list[int] = []
+    real = ModelRunner.forward
+
+    def counted(self, rows, *a, **kw):  # (counts the batches; the forward itself is the real one)
+        forwards.append(len(rows))
+        return real(self, rows, *a, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward", counted)
+    d.step(only=[f"f{k}" for k in range(12)])  # 12 rows of one new token each, after 64 computed
+    assert len(forwards) > 1 and sum(forwards) == 12 and max(forwards) * 65 <= 4 * 8 * 16
+    for k in (0, 11):
+        assert d.reqs[f"f{k}"].out[0] == mlx_lm_greedy(model, prefix + [9 + k], 1)[0][0]
