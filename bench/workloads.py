@@ -68,13 +68,13 @@ def tiny_single_stream(b: Bench, pair_for: PairFor) -> None:
     # allocate; mlx-lm likewise).
     mlx.single(prompt, 4)
     sidecar.run(requests_for([prompt], 4), tag="warmup")
-    n0 = len(sidecar.worker.mlx_worker.records)
+    n0 = len(sidecar.worker.records)
     idle: list[float] = []  # the server's MLX thread waiting for a call, per run: the round trips not overlapped
 
     def sidecar_run() -> RunResult:
-        i0 = sidecar.worker.mlx_worker.idle_seconds()
+        i0 = sidecar.worker.idle_seconds()
         r = sidecar.run(requests_for([prompt], p.tiny_new_tokens), tag="tiny_single")[0]
-        i1 = sidecar.worker.mlx_worker.idle_seconds()
+        i1 = sidecar.worker.idle_seconds()
         if i0 is not None and i1 is not None:
             idle.append(i1 - i0)
         return r
@@ -83,7 +83,7 @@ def tiny_single_stream(b: Bench, pair_for: PairFor) -> None:
                  lambda: mlx.single(prompt, p.tiny_new_tokens), p.tiny_new_tokens)
     if idle:
         b.results["tiny_single_stream_mlx_idle_ms_per_token"] = median(idle) / p.tiny_new_tokens * 1e3
-    steps = [r for r in sidecar.worker.mlx_worker.records[n0:] if r.tag == "tiny_single" and r.decode]
+    steps = [r for r in sidecar.worker.records[n0:] if r.tag == "tiny_single" and r.decode]
     b.results.update(
         tiny_single_stream_ratio=got["ratio"], tiny_single_stream_sidecar_tok_s=got["sidecar_tok_s"],
         tiny_single_stream_mlx_lm_tok_s=got["mlx_lm_tok_s"], tiny_single_stream_tokens_match=got["tokens_match"],

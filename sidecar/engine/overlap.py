@@ -20,7 +20,7 @@ whole pool.
 
 A row whose next token opens a new block (it "crosses"): the scheduler allocates that block with
 the step that decodes the token, so its id is not known yet. The row's forward reads and writes
-its blocks followed by the pool's scratch block (kv_cache.py: a block id past every request's, of
+its blocks followed by the pool's scratch block (kv/pool.py: a block id past every request's, of
 which only slot 0 exists). When the next step brings exactly that decode plus the block B it
 allocated, the scratch slot is copied into B's slot 0 in every layer before anything can read B
 (a prefix hit on B only comes once B is full), and the logits are used. A miss leaves nothing

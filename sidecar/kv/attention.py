@@ -1,7 +1,7 @@
 """The paged cache's read and write paths: where a batch's K/V go in the pool and come from.
 
 The pool of one layer is head-major, `[1, num_kv_heads, slots, head_dim]` (slot as in
-kv_cache.py: `block * block_size + offset`; the leading 1 makes a read one slicing op, as
+pool.py: `block * block_size + offset`; the leading 1 makes a read one slicing op, as
 mlx-lm's cache read is), so a run of consecutive slots is, for every head, one contiguous stretch
 of memory: exactly the layout of mlx-lm's own KVCache buffer
 (`[B, H, T, D]`, read as `keys[..., :offset, :]`). A row whose blocks are one run of consecutive

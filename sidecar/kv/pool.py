@@ -53,7 +53,7 @@ class KVPool:
                 self.values.append(None)
                 self.states.append([mx.zeros((num_blocks + 1, *shape), DTYPES[d])
                                     for shape, d in zip(s.state_shapes, s.state_dtypes)])
-            elif s.kv_bits:  # quantised (kv_quant.py): packed data, scales, biases per leaf
+            elif s.kv_bits:  # quantised (quant.py): packed data, scales, biases per leaf
                 self.keys.append(_quantized_zeros(s, slots, s.head_size))  # type: ignore[arg-type]
                 self.values.append(_quantized_zeros(s, slots, s.head_size_v))  # type: ignore[arg-type]
                 self.states.append(None)

@@ -1,7 +1,7 @@
 """What each layer caches (vLLM's KVCacheSpec per cache leaf), its page size, and a model's KV cache groups.
 
-Plain data, no MLX: kv_probe.py measures these from the model, kv_cache.py allocates the pool from
-them, kv_quant.py serves quantised leaves.
+Plain data, no MLX: probe.py measures these from the model, pool.py allocates the pool from
+them, quant.py serves quantised leaves.
 
 Layers are "leaves": one per mlx-lm cache object, a `CacheList` giving several leaves to one layer.
 `structure` records how leaves nest so the runner rebuilds the model's cache list from adapters.
@@ -39,7 +39,7 @@ class LayerSpec:
     state_shapes: tuple[tuple[int, ...], ...] = ()  # state: per request, one per state array
     state_dtypes: tuple[str, ...] = ()
     name: str = ""
-    kv_bits: int | None = None  # quantised K/V (kv_dtype 8bit/4bit: kv_quant.py); dtype is then the scales'
+    kv_bits: int | None = None  # quantised K/V (kv_dtype 8bit/4bit: quant.py); dtype is then the scales'
 
     @property
     def type(self) -> str:

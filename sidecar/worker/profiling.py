@@ -9,7 +9,7 @@ import time
 
 from sidecar.errors import StateError
 
-log = logging.getLogger("sidecar.worker.mlx_worker")
+log = logging.getLogger("sidecar.worker")
 
 
 # Profiles kept in <home>/profiles (the oldest are deleted): a client calling profile start/stop

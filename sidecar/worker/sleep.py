@@ -14,7 +14,7 @@ from sidecar.worker.lifecycle import State
 from sidecar.worker.model_info import weights_bytes
 from sidecar.wire.protocol import check
 
-log = logging.getLogger("sidecar.worker.mlx_worker")
+log = logging.getLogger("sidecar.worker")
 TAGS = ("weights", "kv_cache")
 
 
