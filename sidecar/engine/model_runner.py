@@ -23,7 +23,7 @@ from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
 from sidecar.engine import prefill_split
 from sidecar.engine.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.engine.lora import LoRAManager
-from sidecar.kv.batch_caches import build_caches, exact_batches, read_bounded, read_limit
+from sidecar.kv.batch_caches import build_caches, read_bounded, read_limit, step_batches
 from sidecar.kv.pool import KVPool, LayerSpec
 from sidecar.kv.spec import STATE, ModelCaches
 from sidecar.engine.overlap import DecodeOverlap
@@ -33,22 +33,6 @@ from sidecar.engine.outputs import StepStats, build_output
 from sidecar.engine.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
 from sidecar.engine.selection import logits_at
 from sidecar.engine.spec_decode import SpecCounters, Verified, verify
-
-
-def _padding_bounded_groups(rows: list[int], lengths: list[int], slack: float = 1.25) -> list[list[int]]:
-    """Split prefill rows into padded batches that compute at most `slack` x the real tokens:
-    longest first, a row joins while the batch's padded size stays within the bound."""
-    groups: list[list[int]] = []
-    real = 0
-    for i in sorted(rows, key=lambda i: -lengths[i]):
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slack * (real + lengths[i]):
-            groups[-1].append(i)
-            real += lengths[i]
-        else:
-            groups.append([i])
-            real = lengths[i]
-    return groups
-
 
 
 def _plain_greedy(row: Row) -> bool:
@@ -244,10 +228,7 @@ class ModelRunner:
         if prefill_split.applies(self.caches):  # mlx-lm's: a sampling chunk's head, then its last token
             rows, tails = prefill_split.forward_heads(self, rows)
             decode, prefill = decode + tails, [i for i in prefill if i not in set(tails)]
-        if self.caches.has_state or self.caches.scalar_offsets:
-            batches = exact_batches(rows, decode + prefill, self.caches)
-        else:
-            batches = [decode, *_padding_bounded_groups(prefill, [len(r.token_ids) for r in rows])]
+        batches = step_batches(rows, decode, prefill, self.caches)
         limit = self.read_limit()
         stores: list = []  # recurrent states are written back once every batch of the step is built
         for parts in [read_bounded(rows, group, limit) for group in batches]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from sidecar.kv.batch_caches import exact_batches
+from sidecar.kv.batch_caches import step_batches
 from sidecar.kv.spec import ModelCaches
 from sidecar.engine.state import Row
 
@@ -46,13 +46,8 @@ def forward_heads(runner: Any, rows: Sequence[Row]) -> tuple[list[Row], list[int
     """Forward the heads of the rows `split` splits (recurrent states stored); returns the rows the
     step's own forward then runs, in `rows`' order, and which of them are now one-token tails."""
     rows, heads, tails = split(rows)
-    caches = runner.caches
-    if caches.has_state or caches.scalar_offsets:
-        groups = exact_batches(heads, list(range(len(heads))), caches)
-    else:
-        groups = [list(range(len(heads)))] if heads else []
     stores: list = []
-    for group in groups:
+    for group in filter(None, step_batches(heads, [], list(range(len(heads))), runner.caches)):
         runner.forward([heads[i] for i in group], group, [None] * len(heads), {}, stores=stores)
     for store in stores:
         store()

@@ -14,15 +14,32 @@ from sidecar.engine.state import Row
 from sidecar.kv.state_cache import gather_state, store_state
 
 
-def exact_batches(rows: Sequence[Row], idx: list[int], caches: ModelCaches) -> list[list[int]]:
-    """Batches without padding for models that cannot take it: recurrent state (rows of equal length,
-    fresh rows apart from continuing ones) or int offsets (one row at a time)."""
+def step_batches(rows: Sequence[Row], decode: list[int], prefill: list[int], caches: ModelCaches) -> list[list[int]]:
+    """How rows run as batches (some may be empty). Models that cannot take padding get batches
+    without it: recurrent state (rows of equal length, fresh rows apart from continuing ones) or int
+    offsets (one row at a time). Others run the decode rows as one batch and the prefill rows in
+    padded batches that compute at most `PAD_SLACK` x their real tokens (longest first)."""
     if caches.scalar_offsets:
-        return [[i] for i in idx]
-    out: dict[tuple[int, bool], list[int]] = {}
-    for i in idx:
-        out.setdefault((len(rows[i].token_ids), rows[i].start == 0), []).append(i)
-    return list(out.values())
+        return [[i] for i in decode + prefill]
+    if caches.has_state:
+        out: dict[tuple[int, bool], list[int]] = {}
+        for i in decode + prefill:
+            out.setdefault((len(rows[i].token_ids), rows[i].start == 0), []).append(i)
+        return list(out.values())
+    groups: list[list[int]] = [decode]
+    real = 0
+    for i in sorted(prefill, key=lambda i: -len(rows[i].token_ids)):
+        n = len(rows[i].token_ids)
+        if len(groups) > 1 and (len(groups[-1]) + 1) * len(rows[groups[-1][0]].token_ids) <= PAD_SLACK * (real + n):
+            groups[-1].append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = n
+    return groups
+
+
+PAD_SLACK = 1.25
 
 
 # A batch's attention gathers rows x longest context key slots per layer (BatchLayout.reads). Rows
@@ -114,15 +131,11 @@ def probe_batched(runner: Any) -> None:
                 rows = [Row(s, 0, s.prompt_token_ids, s.block_ids, True) if step == 0 else
                         Row(s, len(s.prompt_token_ids), [7], s.block_ids, True) for s in states]
                 idx = list(range(len(rows)))
-                if not together:
-                    batches = [[i] for i in idx]
-                elif runner.caches.has_state or runner.caches.scalar_offsets:
-                    batches = exact_batches(rows, idx, runner.caches)
-                else:
-                    batches = [idx]
+                batches = (step_batches(rows, idx if step else [], [] if step else idx, runner.caches) if together
+                           else [[i] for i in idx])
                 last: list = [None] * len(rows)
                 stores: list = []
-                for b in batches:
+                for b in filter(None, batches):
                     runner.forward([rows[i] for i in b], b, last, {}, stores=stores)
                 for store in stores:
                     store()

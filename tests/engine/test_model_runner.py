@@ -261,19 +261,3 @@ def test_decode_ahead_miss_uses_the_scheduler_token(make_worker) -> None:
         if ahead:
             assert w.runner.ahead_misses > 0
     assert outs[0] == outs[1]
-
-
-def test_prefill_groups_bound_padding() -> None:
-    from sidecar.engine.model_runner import _padding_bounded_groups
-
-    rng = random.Random(8)
-    for _ in range(200):
-        lengths = [rng.choice([1, rng.randrange(2, 600)]) for _ in range(rng.randrange(1, 20))]
-        rows = [i for i, n in enumerate(lengths) if n > 1]
-        groups = _padding_bounded_groups(rows, lengths)
-        assert sorted(i for g in groups for i in g) == rows
-        for g in groups:
-            padded, real = len(g) * max(lengths[i] for i in g), sum(lengths[i] for i in g)
-            assert len(g) == 1 or padded <= 1.25 * real
-    assert _padding_bounded_groups([0, 1], [512, 20]) == [[0], [1]]  # never pad 20 tokens to 512
-    assert _padding_bounded_groups([0, 1], [100, 96]) == [[0, 1]]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sidecar.kv.batch_caches import exact_batches, read_bounded, read_limit
-from sidecar.kv.spec import ModelCaches
+from sidecar.kv.batch_caches import read_bounded, read_limit, step_batches
+from sidecar.kv.spec import STATE, LayerSpec, ModelCaches
 from sidecar.engine.state import RequestState, Row
 from sidecar.engine.sampler import SamplingParams
 from tests.engine.test_architectures import served
@@ -18,14 +18,43 @@ def test_probe_finds_models_that_cannot_take_padded_batches(home: str) -> None:
         assert w.runner.decode_ahead is (not one_row and w.config.decode_ahead)
 
 
-def test_exact_batches_group_equal_lengths_and_fresh_rows_apart() -> None:
+def test_batches_of_models_that_cannot_take_padding() -> None:
+    """Recurrent state: equal lengths together, fresh rows apart from continuing ones; int offsets:
+    one row at a time; else the decode rows together and the prefill rows padded."""
     p = SamplingParams(temperature=0.0)
     rows = [Row(RequestState(str(i), [1] * 9, p, [i]), start, [1] * n, [i], True)
             for i, (start, n) in enumerate([(0, 4), (4, 4), (0, 4), (8, 1), (3, 1), (0, 2)])]
-    caches = ModelCaches([], [])
-    assert exact_batches(rows, list(range(6)), caches) == [[0, 2], [1], [3, 4], [5]]
+    decode, prefill = [3, 4], [0, 1, 2, 5]
+    state = LayerSpec(16, 1, 1, 1, "float32", kind=STATE, state_shapes=((1,),), state_dtypes=("float32",))
+    caches = ModelCaches([state], [])
+    assert caches.has_state
+    assert step_batches(rows, decode, prefill, caches) == [[3, 4], [0, 2], [1], [5]]
     caches.scalar_offsets = True
-    assert exact_batches(rows, [0, 1, 2], caches) == [[0], [1], [2]]
+    assert step_batches(rows, [], [0, 1, 2], caches) == [[0], [1], [2]]
+    padded = ModelCaches([], [])  # negative control: a model that takes padding pads
+    assert step_batches(rows, decode, prefill, padded) == [[3, 4], [0, 1, 2, 5]]  # 16 slots for 14 tokens
+
+
+def test_prefill_groups_bound_padding() -> None:
+    import random
+
+    rng = random.Random(8)
+    p = SamplingParams(temperature=0.0)
+    caches = ModelCaches([], [])
+    for _ in range(200):
+        lengths = [rng.choice([1, rng.randrange(2, 600)]) for _ in range(rng.randrange(1, 20))]
+        rows = [Row(RequestState(str(i), [1] * n, p, [i]), 0, [1] * n, [i], True) for i, n in enumerate(lengths)]
+        decode = [i for i, n in enumerate(lengths) if n == 1]
+        prefill = [i for i, n in enumerate(lengths) if n > 1]
+        groups = step_batches(rows, decode, prefill, caches)
+        assert groups[0] == decode and sorted(i for g in groups[1:] for i in g) == prefill
+        for g in groups[1:]:
+            padded, real = len(g) * max(lengths[i] for i in g), sum(lengths[i] for i in g)
+            assert len(g) == 1 or padded <= 1.25 * real
+    two = [Row(RequestState(str(i), [1] * n, p, [i]), 0, [1] * n, [i], True) for i, n in enumerate([512, 20])]
+    assert step_batches(two, [], [0, 1], caches) == [[], [0], [1]]  # never pad 20 tokens to 512
+    two = [Row(RequestState(str(i), [1] * n, p, [i]), 0, [1] * n, [i], True) for i, n in enumerate([100, 96])]
+    assert step_batches(two, [], [0, 1], caches) == [[], [0, 1]]
 
 
 def test_read_bounded_splits_only_past_the_limit() -> None:
