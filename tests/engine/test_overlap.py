@@ -191,7 +191,8 @@ def _hits_per_step(flag: str, steps: int = 100) -> tuple[list[int], list[int]]:
     from tests.server.serverproc import start_server
 
     env = {"MLX_SIDECAR_BOUNDARY_AHEAD": flag, "MLX_SIDECAR_AUTH_TOKEN": None}
-    with start_server("--preload", "--max-model-len", "1024", env=env) as s, s.client() as http:
+    small = ("--max-model-len", "1024", "--max-num-batched-tokens", "64", "--max-num-seqs", "2")
+    with start_server("--preload", *small, env=env) as s, s.client() as http:
         remote = RemoteWorker(s.url)
         d = Driver(lambda so: remote.call("execute_model", scheduler_output=so), 16, http.get("/info").json()["num_blocks"])
         add(d, "a", PROMPT, GREEDY | {"max_tokens": steps + 8})

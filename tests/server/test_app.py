@@ -221,7 +221,8 @@ def test_lora_calls_over_http(home: str, tmp_path) -> None:
     from tests.engine.test_lora import make_adapter
 
     make_adapter(home, tmp_path / "loras" / "one", seed=1)
-    with start_server("--lora-dir", str(tmp_path / "loras"), "--preload") as s:
+    small = ("--max-num-batched-tokens", "64", "--max-num-seqs", "4")
+    with start_server("--lora-dir", str(tmp_path / "loras"), "--preload", *small) as s:
         w = RemoteWorker(s.url)
         for _ in range(100):
             if httpx.get(f"{s.url}/readyz").status_code == 200:
