@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +103,10 @@ def _fmt(template: str, results: dict[str, Any]) -> str:
         return "?"
 
 
+def _fields(template: str) -> list[str]:
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
 def verdict(goal: Goal, value: Any) -> str:
     if not goal.op:
         return ""
@@ -120,7 +126,8 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             shown += " ms"
         goal = f"{g.op} {g.target:g}" if g.op else "-"
         if key not in results:  # a figure this run did not measure (a stage left out, a missing library)
-            out.append((_fmt(g.title, results), "not measured", "-", shown, goal, verdict(g, value) or "-"))
+            title = g.title if all(k in results for k in _fields(g.title)) else re.sub(r"\{[^}]*\}", "-", g.title)
+            out.append((_fmt(title, results), "not measured", "-", shown, goal, verdict(g, value) or "-"))
             continue
         out.append((_fmt(g.title, results), _fmt(g.sidecar, results), _fmt(g.mlx_lm, results), shown, goal,
                     verdict(g, value) or "-"))
