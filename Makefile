@@ -55,7 +55,7 @@ install-vllm: $(VLLM_STAMP)
 test-vllm: install install-vllm
 	$(VLLM_PY) -m pytest -q -c tests/vllm/pytest.ini tests/vllm $(ARGS)
 
-# The long run of the HTTP fuzz test (make test runs 20,000 mutants).
+# The long run of the HTTP fuzz test (make test runs 5,000 mutants).
 FUZZ_N ?= 200000
 FUZZ_SEED ?= 9
 fuzz: install

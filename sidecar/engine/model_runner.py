@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from sidecar.errors import ProtocolError, StateError
 from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
@@ -250,19 +249,21 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         logits = apply_grammar(logits, grammar)
         verified: Verified | None = None
+        pool = self.pool.arrays()  # type: ignore[union-attr]
         if any(r.num_draft for r in rows):
             probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
             verified = verify(self.sampler, logits, rows, probs)
             res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
         elif grammar is None and all(_plain_greedy(r) for r in rows):  # argmax is the whole sampler
             tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
-            mx.eval(tokens, nans, self.pool.arrays())  # type: ignore[union-attr]
-            res = SampleResult(tokens.tolist(), None, None, None, nans.tolist())
+            mx.eval(tokens, nans, pool)  # the step's one sync
+            res, pool = SampleResult(tokens.tolist(), None, None, None, nans.tolist()), []
         else:
             res = self.sampler.sample(logits, [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids,
                                                            r.state.output_token_ids) for r in rows])
         # Computed with the logits already; evaluated, no task of the step holds a pool buffer.
-        mx.eval(self.pool.arrays())  # type: ignore[union-attr]
+        if pool:
+            mx.eval(pool)
         if live:
             drafted = self._propose(rows, res, verified)
             # A row that verified drafts decodes its last token next, after the accepted ones.
@@ -294,9 +295,11 @@ class ModelRunner:
         assert pool is not None
         lengths = [len(r.token_ids) for r in rows]
         L = max(lengths)
-        ids = np.zeros((len(rows), L), np.int32)
-        for b, r in enumerate(rows):
-            ids[b, : lengths[b]] = r.token_ids
+        flat: list[int] = []  # [B, L] token ids, each row padded with 0s
+        for r in rows:
+            flat += r.token_ids
+            if len(r.token_ids) < L:
+                flat += [0] * (L - len(r.token_ids))
         # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
         select: list[int] = []
         last_at: list[int] = []
@@ -316,7 +319,7 @@ class ModelRunner:
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
-            logits = logits_at(self.model, mx.array(ids), caches, index)
+            logits = logits_at(self.model, mx.array(flat, dtype=mx.int32).reshape(len(rows), L), caches, index)
             if stores is not None:
                 stores.append(store_states)
             else:

@@ -14,9 +14,10 @@ per layer into a contiguous `[B, H, K, D]`. (Token-major K/V, `[B, K, H, D]` tra
 strided input that MLX's GQA attention handles several times slower than a contiguous one: that,
 not the gather itself, was most of the long-context cost.)
 
-A `ReadPlan` is made once per layout from the slots the layout reads (`plan_reads`), shared by
-every layer using that layout; `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
-chunk reads from its first visible block, so its run check covers only the keys it reads. A fused
+A `ReadPlan` is made once per layout from the rows' block tables (`plan_reads`), shared by every
+layer using that layout; `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
+chunk reads from its first visible block, so its run check covers only the keys it reads. Slots are
+worked out per block, not per key (`slots`): a step's host work does not grow with the context. A fused
 paged-attention kernel (Metal) would replace `read` + attention behind the same seam; none is
 shipped (no Metal machine here to verify one against this path).
 """
@@ -24,6 +25,7 @@ shipped (no Metal machine here to verify one against this path).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -48,20 +50,54 @@ class ReadPlan:
         return mx.arange(self.start, self.start + self.length, dtype=mx.int32)[None]  # type: ignore[operator]
 
 
-def is_run(row: np.ndarray) -> bool:
-    return row.size < 2 or bool((np.diff(row) == 1).all())
+def run_start(table: Sequence[int], lo: int, hi: int, block_size: int) -> int | None:
+    """The slot of position `lo` when positions lo .. hi - 1 lie in consecutive block ids, else None."""
+    j0, j1 = lo // block_size, (hi - 1) // block_size
+    first = table[j0]
+    if j1 > j0 and list(table[j0 : j1 + 1]) != list(range(first, first + j1 - j0 + 1)):
+        return None
+    return first * block_size + lo % block_size
 
 
-def plan_reads(slots: np.ndarray) -> ReadPlan:
-    """slots [B, K]: the slot of every key each row reads (past a row's context: the padding
-    slot, masked). One row whose slots are consecutive is read in place."""
-    B, K = slots.shape
-    if B == 1 and is_run(slots[0]):
-        return ReadPlan(K, int(slots[0, 0]), None)
-    return ReadPlan(K, None, mx.array(slots.astype(np.int32)))
+def slots(tables: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], width: int, block_size: int,
+          sink: int) -> np.ndarray:
+    """[B, width] int32: the slot of position lo[b] + i of row b (from hi[b] on: the padding slot).
+    Worked out per block: each row's blocks from the one holding lo[b], as many as `width` spans."""
+    bs, B = block_size, len(tables)
+    if width == 1:  # a decode's write: one slot per row
+        return np.array([t[p // bs] * bs + p % bs if p < h else sink for t, p, h in zip(tables, lo, hi)],
+                        np.int32).reshape(B, 1)
+    off = [p % bs for p in lo]
+    nb = -(-(max(off) + width) // bs)
+    flat: list[int] = []
+    for t, p in zip(tables, lo):
+        row = t[p // bs : p // bs + nb]
+        flat += row
+        if len(row) < nb:  # past a short table's end: block 0, replaced by the sink below
+            flat += [0] * (nb - len(row))
+    blocks = np.array(flat, np.int32).reshape(B, nb)
+    out = (blocks[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(B, nb * bs)
+    cols = np.arange(width, dtype=np.int32)
+    out = out[:, :width] if not any(off) else out[np.arange(B)[:, None], cols + np.array(off, np.int32)[:, None]]
+    n = [h - p for p, h in zip(lo, hi)]
+    if any(k < width for k in n):
+        out = np.ascontiguousarray(out)
+        out[cols >= np.array(n, np.int32)[:, None]] = sink
+    return out
 
 
-def write(pool: mx.array, slots: mx.array, new: mx.array, start: int | None = None) -> mx.array:
+def plan_reads(tables: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], width: int,
+               block_size: int, sink: int) -> ReadPlan:
+    """Row b reads positions lo[b] .. lo[b] + width - 1 (from hi[b] on: the padding slot, masked).
+    One row whose blocks are one run is read in place."""
+    if len(tables) == 1 and hi[0] - lo[0] == width:
+        start = run_start(tables[0], lo[0], hi[0], block_size)
+        if start is not None:
+            return ReadPlan(width, start, None)
+    return ReadPlan(width, None, mx.array(slots(tables, lo, hi, width, block_size, sink)))
+
+
+def write(pool: mx.array, slots: mx.array | None, new: mx.array, start: int | None = None) -> mx.array:
     """Scatter new [B, H, L, D] into the pool [1, H, S, D] at slots [B * L]; returns the pool
     (updated in place: MLX donates its buffer when nothing else holds it). One row whose slots are
     one run (`start`: the first) is a slice update, one op, as mlx-lm's cache update (an indexed

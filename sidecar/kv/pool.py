@@ -108,92 +108,101 @@ def _parts(leaf: mx.array | list[mx.array] | None) -> list[mx.array]:
 
 @dataclass
 class BatchLayout:
-    """One padded batch [B, L]: row b computes positions start[b] .. start[b] + n[b] - 1.
+    """One padded batch [B, L]: row b computes positions starts[b] .. starts[b] + lengths[b] - 1.
 
     Row b reads keys at positions base[b] .. base[b] + K - 1 (past its context: the padding slot,
     masked). Full attention reads from 0; a sliding window or an attention chunk from the block
     holding the lowest position any of the row's queries can see, so blocks the scheduler freed
     once they left the window (vLLM replaces them with its null block) are never read.
+
+    Built per step, so it holds only what every layer needs (the offsets, the write slots, the
+    read plan) and plain per-row numbers; the position arrays a mask needs are made by `mask`,
+    only for a step that needs one.
     """
 
     offsets: mx.array  # [B] start positions (RoPE offsets)
-    write_slots: mx.array  # [B * L]
     reads: attention.ReadPlan  # [B, K] slots: a slice of the pool (one row, one run) or a gather
-    query_pos: mx.array  # [B, L]
-    ctx_lens: mx.array  # [B]
-    key_pos: mx.array | None = None  # [B, K] positions of the keys read (None: 0 .. K-1)
-    valid_q: mx.array | None = None  # [B, L] False for padding queries
+    starts: Sequence[int]
+    lengths: Sequence[int]
+    base: Sequence[int]  # per row, the first position read
+    write_start: int | None = None  # one row writing one run of slots: its first (a slice update)
+    writes: mx.array | None = None  # otherwise: [B * L] the slots written (padding queries: the padding slot)
     # Every row has the same context and length: the read is cut to exactly the context and the
     # mask is None (decode) or "causal" (prefill), which lets SDPA take its unmasked/causal path.
     uniform: bool = False
     scalar_offset: int | None = None  # B == 1 and the model wants int offsets (llama4)
-    start_position: int = 0  # the first position read (mlx-lm ChunkedKVCache.start_position)
-    write_start: int | None = None  # one row writing one run of slots: its first (a slice update)
     _masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, starts: Sequence[int], lengths: Sequence[int], tables: Sequence[Sequence[int]],
               block_size: int, sink: int, *, window: int | None = None, chunk: int | None = None,
               scalar: bool = False) -> BatchLayout:
-        starts_np = np.asarray(starts, np.int64)
-        n = np.asarray(lengths, np.int64)
-        B, L = len(starts), int(n.max())
-        ctx = starts_np + n
-        nblk = int(-(-ctx.max() // block_size))
-        table = np.zeros((B, nblk), np.int64)  # short tables pad with block 0: never read unmasked
-        for b, t in enumerate(tables):
-            k = min(len(t), nblk)
-            table[b, :k] = t[:k]
-        pos = starts_np[:, None] + np.arange(L)[None, :]
-        valid = np.arange(L)[None, :] < n[:, None]
-        blk = np.take_along_axis(table, np.minimum(pos // block_size, nblk - 1), axis=1)
-        write = np.where(valid, blk * block_size + pos % block_size, sink)
+        bs, L = block_size, max(lengths)
+        ctx = [s + n for s, n in zip(starts, lengths)]
         if scalar and chunk:  # exactly the keys llama4's own chunk mask covers: [start - chunk, end)
-            base = np.maximum(0, starts_np - chunk)
+            base = [max(0, s - chunk) for s in starts]
+        elif window:
+            base = [max(0, s - window + 1) // bs * bs for s in starts]
+        elif chunk:
+            base = [s // chunk * chunk // bs * bs for s in starts]
         else:
-            lo = np.zeros(B, np.int64)
-            if window:
-                lo = np.maximum(0, starts_np - window + 1)
-            elif chunk:
-                lo = (starts_np // chunk) * chunk
-            base = (lo // block_size) * block_size
-        K = int((ctx - base).max())
-        kpos = base[:, None] + np.arange(K)[None, :]
-        kblk = np.take_along_axis(table, np.minimum(kpos // block_size, nblk - 1), axis=1)
-        read = np.where(kpos < ctx[:, None], kblk * block_size + kpos % block_size, sink)
-        uniform = bool((ctx == ctx[0]).all() and (n == L).all() and not base.any())
+            base = [0] * len(starts)
+        K = max(c - b for c, b in zip(ctx, base))
+        write_start = attention.run_start(tables[0], starts[0], ctx[0], bs) if len(starts) == 1 else None
         return cls(
-            offsets=mx.array(starts_np.astype(np.int32)), write_slots=mx.array(write.reshape(-1).astype(np.int32)),
-            reads=attention.plan_reads(read), query_pos=mx.array(pos.astype(np.int32)),
-            ctx_lens=mx.array(ctx.astype(np.int32)), key_pos=mx.array(kpos.astype(np.int32)) if base.any() else None,
-            valid_q=None if valid.all() else mx.array(valid), uniform=uniform,
-            scalar_offset=int(starts_np[0]) if scalar and B == 1 else None, start_position=int(base[0]),
-            write_start=int(write[0, 0]) if B == 1 and attention.is_run(write[0]) else None,
+            offsets=mx.array(starts, dtype=mx.int32), reads=attention.plan_reads(tables, base, ctx, K, bs, sink),
+            starts=starts, lengths=lengths, base=base, write_start=write_start,
+            writes=None if write_start is not None else
+            mx.array(attention.slots(tables, starts, ctx, L, bs, sink).reshape(-1)),
+            uniform=all(c == ctx[0] for c in ctx) and all(n == L for n in lengths) and not any(base),
+            scalar_offset=starts[0] if scalar and len(starts) == 1 else None,
         )
+
+    @property
+    def start_position(self) -> int:
+        """The first position read (mlx-lm ChunkedKVCache.start_position)."""
+        return self.base[0]
+
+    @property
+    def write_slots(self) -> mx.array:
+        """[B * L] the slots written (materialised for a one-run write)."""
+        if self.writes is not None:
+            return self.writes
+        return mx.arange(self.write_start, self.write_start + self.lengths[0], dtype=mx.int32)  # type: ignore[operator]
 
     @property
     def read_slots(self) -> mx.array:
         """[B, K] the slots read (materialised for an in-place read)."""
         return self.reads.slot_array()
 
+    @property
+    def key_pos(self) -> mx.array | None:
+        """[B, K] positions of the keys read (None: 0 .. K-1 for every row)."""
+        if not any(self.base):
+            return None
+        return mx.array(self.base, dtype=mx.int32)[:, None] + mx.arange(self.reads.length, dtype=mx.int32)
+
     def mask(self, window: int | None = None, return_array: bool = False, five_d: bool = False,
              chunk: int | None = None) -> mx.array | str | None:
         """[B, 1, L, K] bool ([B, 1, 1, L, K] for grouped 5-D scores). Padding queries see their
         row's first key, so no row is all-masked (its NaN would reach the padding slot)."""
-        K, L = self.reads.length, self.query_pos.shape[1]
+        K, L = self.reads.length, max(self.lengths)
         if self.uniform and (window is None or window >= K) and not chunk and (L == 1 or not return_array):
             return None if L == 1 else "causal"
         key = (window, five_d, chunk)
         if key not in self._masks:
-            keys = (mx.arange(K)[None] if self.key_pos is None else self.key_pos)[:, None, :]
-            q = self.query_pos[:, :, None]
-            m = (keys <= q) & (keys < self.ctx_lens[:, None, None])
+            key_pos = self.key_pos
+            keys = (mx.arange(K, dtype=mx.int32)[None] if key_pos is None else key_pos)[:, None, :]
+            q = (self.offsets[:, None] + mx.arange(L, dtype=mx.int32))[:, :, None]
+            ctx = mx.array([s + n for s, n in zip(self.starts, self.lengths)], dtype=mx.int32)
+            m = (keys <= q) & (keys < ctx[:, None, None])
             if window:
                 m = m & (keys > q - window)
             if chunk:
                 m = m & (keys >= (q // chunk) * chunk)
-            if self.valid_q is not None:
-                m = m | (~self.valid_q[:, :, None] & (keys == keys[:, :, :1]))
+            if any(n != L for n in self.lengths):  # padding queries
+                valid = mx.arange(L, dtype=mx.int32)[None] < mx.array(self.lengths, dtype=mx.int32)[:, None]
+                m = m | (~valid[:, :, None] & (keys == keys[:, :, :1]))
             self._masks[key] = m[:, None, None] if five_d else m[:, None]
         return self._masks[key]
 
@@ -222,8 +231,8 @@ class PagedCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         pool, i, lay = self.pool, self.layer, self.layout
-        pool.keys[i] = attention.write(pool.keys[i], lay.write_slots, keys, lay.write_start)  # type: ignore[arg-type]
-        pool.values[i] = attention.write(pool.values[i], lay.write_slots, values, lay.write_start)  # type: ignore[arg-type]
+        pool.keys[i] = attention.write(pool.keys[i], lay.writes, keys, lay.write_start)  # type: ignore[arg-type]
+        pool.values[i] = attention.write(pool.values[i], lay.writes, values, lay.write_start)  # type: ignore[arg-type]
         k = attention.read(pool.keys[i], lay.reads, keys.dtype)  # type: ignore[arg-type]
         v = attention.read(pool.values[i], lay.reads, values.dtype)  # type: ignore[arg-type]
         self.keys, self.values = k, v  # read (and reassigned) by deepseek_v32's indexer; the pool is the truth

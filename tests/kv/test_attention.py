@@ -23,10 +23,25 @@ def naive(pool: np.ndarray, table: list[int], length: int) -> np.ndarray:
 
 
 def plan(tables: list[list[int]], ctx: list[int], length: int, sink: int = 64 * BS) -> attention.ReadPlan:
-    """The plan for rows reading `length` keys (past a row's context: the padding slot)."""
-    slots = np.array([[t[p // BS] * BS + p % BS if p < n else sink for p in range(length)]
-                      for t, n in zip(tables, ctx)])
-    return attention.plan_reads(slots)
+    """The plan for rows reading `length` keys (past a row's context: the padding slot), whose
+    gather slots are the ones worked out slot by slot here."""
+    p = attention.plan_reads(tables, [0] * len(tables), ctx, length, BS, sink)
+    if p.slots is not None:
+        want = [[t[i // BS] * BS + i % BS if i < n else sink for i in range(length)] for t, n in zip(tables, ctx)]
+        np.testing.assert_array_equal(np.array(p.slots), want)
+    return p
+
+
+@pytest.mark.parametrize("lo", [[0, 0], [3, 5], [4, 9]])
+def test_slots_are_the_slot_by_slot_answer(lo: list[int]) -> None:
+    """Per-block slots equal the per-position formula, from any first position, with each row's
+    positions past its end on the padding slot; and one slot per row (a decode's write)."""
+    tables, hi, width = [[9, 3, 7, 1], [2, 8, 4, 6]], [13, 14], 9
+    got = attention.slots(tables, lo, [min(h, p + width) for h, p in zip(hi, lo)], width, BS, 999)
+    want = [[t[q // BS] * BS + q % BS if q < min(h, p + width) else 999 for q in range(p, p + width)]
+            for t, p, h in zip(tables, lo, hi)]
+    np.testing.assert_array_equal(got, want)
+    assert attention.slots(tables, lo, hi, 1, BS, 999).tolist() == [[t[p // BS] * BS + p % BS] for t, p in zip(tables, lo)]
 
 
 def test_one_run_is_read_in_place_and_exact() -> None:
@@ -88,8 +103,8 @@ def test_stream_matches_mlx_lm_on_both_paths(make_worker, oracle_model, layout: 
     seen: list[bool] = []
     plan_reads = attention.plan_reads
 
-    def spy(slots):
-        reads = plan_reads(slots)
+    def spy(*args):
+        reads = plan_reads(*args)
         seen.append(reads.in_place)
         return reads
 

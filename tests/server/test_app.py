@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.error
 import urllib.request
 
@@ -22,8 +21,12 @@ MSGPACK = {"content-type": "application/msgpack"}
 
 
 @pytest.fixture(scope="module")
-def server(home: str):
-    with start_server("--max-body-bytes", "2000000") as s:
+def server(home: str, tmp_path_factory: pytest.TempPathFactory):
+    from tests.engine.test_lora import make_adapter
+
+    loras = tmp_path_factory.mktemp("app") / "loras"
+    make_adapter(home, loras / "one", seed=1)
+    with start_server("--max-body-bytes", "2000000", "--lora-dir", str(loras)) as s:
         yield s
 
 
@@ -217,21 +220,10 @@ def test_json_logit_bias_uses_string_keys(server, remote: RemoteWorker) -> None:
     assert r.json()["error"]["field"] == "scheduled_new_reqs[0].sampling_params.logit_bias[100000]"
 
 
-def test_lora_calls_over_http(home: str, tmp_path) -> None:
-    from tests.engine.test_lora import make_adapter
-
-    make_adapter(home, tmp_path / "loras" / "one", seed=1)
-    small = ("--max-num-batched-tokens", "64", "--max-num-seqs", "4")
-    with start_server("--lora-dir", str(tmp_path / "loras"), "--preload", *small) as s:
-        w = RemoteWorker(s.url)
-        for _ in range(100):
-            if httpx.get(f"{s.url}/readyz").status_code == 200:
-                break
-            time.sleep(0.1)
-        assert w.add_lora({"lora_int_id": 1, "lora_name": "one", "lora_path": "one"}) is True
-        assert w.list_loras() == [1] and w.pin_lora(1) is True
-        with pytest.raises(RemoteError) as e:
-            w.add_lora({"lora_int_id": 2, "lora_name": "x", "lora_path": "../../etc"})
-        assert e.value.status == 400 and e.value.field == "lora_request.lora_path"
-        assert w.remove_lora(1) is True and w.list_loras() == []
-        w.close()
+def test_lora_calls_over_http(remote: RemoteWorker) -> None:
+    assert remote.add_lora({"lora_int_id": 1, "lora_name": "one", "lora_path": "one"}) is True
+    assert remote.list_loras() == [1] and remote.pin_lora(1) is True
+    with pytest.raises(RemoteError) as e:
+        remote.add_lora({"lora_int_id": 2, "lora_name": "x", "lora_path": "../../etc"})
+    assert e.value.status == 400 and e.value.field == "lora_request.lora_path"
+    assert remote.remove_lora(1) is True and remote.list_loras() == []

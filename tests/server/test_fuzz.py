@@ -3,7 +3,7 @@ HTTP connection: every mutant (bit flips, byte sets, inserts, deletes, truncatio
 other bodies) is answered 200 or 4xx, with no 5xx and no dropped connection; afterwards a valid
 step still gives mlx-lm's tokens.
 
-MLX_SIDECAR_FUZZ_N sets the number of mutants (default 20,000 in `make test`; `make fuzz` runs
+MLX_SIDECAR_FUZZ_N sets the number of mutants (default 5,000 in `make test`; `make fuzz` runs
 200,000), MLX_SIDECAR_FUZZ_SEED the seed (default 9); a failure names the seed, the index and the
 mutant's bytes so it can be replayed.
 """
@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import mlx_lm_greedy
 from tests.server.serverproc import finish, prefill
 
-N = int(os.environ.get("MLX_SIDECAR_FUZZ_N", "20000"))
+N = int(os.environ.get("MLX_SIDECAR_FUZZ_N", "5000"))
 SEED = int(os.environ.get("MLX_SIDECAR_FUZZ_SEED", "9"))
 MP, JS = "application/msgpack", "application/json"
 PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]

@@ -407,9 +407,10 @@ def test_prometheus_scrapes_the_sidecar(server) -> None:
     assert prom.scalar('mlx_worker_state{state="ready"}') == 1
     info = prom.query("mlx_worker_info")
     assert len(info) == 1 and info[0]["metric"]["model"] == "builtin:tiny" and info[0]["metric"]["device"]
-    # Every scrape succeeded, quickly, including those Prometheus made during the long step.
+    # Every scrape succeeded, quickly, including those Prometheus made during the long step (waiting
+    # on it would take seconds; the bound is the in-test scrapes', room for a loaded 2-core machine).
     assert prom.scalar('min_over_time(up{job="mlx-sidecar"}[5m])') == 1
-    assert prom.scalar('max_over_time(scrape_duration_seconds{job="mlx-sidecar"}[5m])') < 0.1
+    assert prom.scalar('max_over_time(scrape_duration_seconds{job="mlx-sidecar"}[5m])') < 0.3
     start, end = getattr(server, "slow_step", (0.0, 0.0))
     if end - start >= 3:
         window = f"[{int(end - start) - 1}s]"
@@ -418,7 +419,7 @@ def test_prometheus_scrapes_the_sidecar(server) -> None:
         assert float(r["data"]["result"][0]["value"][1]) >= 2, r
         r = httpx.get(f"{prom.api}/query", params={
             "query": f'max_over_time(scrape_duration_seconds{{job="mlx-sidecar"}}{window})', **at}).json()
-        assert float(r["data"]["result"][0]["value"][1]) < 0.1, r
+        assert float(r["data"]["result"][0]["value"][1]) < 0.3, r
     targets = httpx.get(f"{prom.api}/targets").json()["data"]["activeTargets"]
     assert [t["health"] for t in targets] == ["up"] and targets[0]["lastError"] == ""
 

@@ -140,33 +140,40 @@ def test_two_phase_step_applies_the_grammar_bitmask_per_row(make_worker) -> None
     assert tokens(out, "x")[0] in allowed
 
 
-def test_two_phase_step_over_a_real_server(home) -> None:
+@pytest.fixture(scope="module")
+def server(home):
+    """One server for the real-server tests here; each starts from init_device(reset=true), which
+    any state allows."""
     with start_server(*SMALL) as s:
-        r = RemoteWorker(s.url)
-        r.init_device()
-        r.load_model()
-        r.initialize_cache(num_gpu_blocks=64)
-        V = r.vocab_size()
-        assert r.call("execute_model", scheduler_output=step([new("a", [5, 6, 7], [0], 3)]), defer_sampling=True) is None
-        bm = _bitmask(V, [42]).tobytes()
-        out = r.call("sample_tokens", grammar_output={"structured_output_request_ids": ["a"], "grammar_bitmask": bm})
-        assert out["sampled_token_ids"] == [[42]]
-        assert r.compile_or_warm_up_model() > 0  # v1 form unchanged
-        times = r.call("compile_or_warm_up_model", compilation_times=True)
-        assert times["language_model"] > 0 and times["encoder"] == 0.0
-        with pytest.raises(RemoteError) as e:
-            r.call("sample_tokens", grammar_output=None)
-        assert e.value.status == 409
-        # A restarted scheduler re-initialises the running worker from `ready` with reset=true
-        # (without it, as v1: 409, nothing changes).
-        with pytest.raises(RemoteError) as e:
-            r.init_device({"block_size": 32})
-        assert e.value.status == 409 and r.info()["state"] == "ready"
-        r.call("init_device", config={"block_size": 32}, reset=True)
-        assert r.info()["state"] == "device_ready"
-        r.load_model()
-        assert r.get_kv_cache_spec()["model.layers.0.self_attn"]["block_size"] == 32
-        r.close()
+        yield s
+
+
+def test_two_phase_step_over_a_real_server(server) -> None:
+    r = RemoteWorker(server.url)
+    r.call("init_device", config={"block_size": BS}, reset=True)
+    r.load_model()
+    r.initialize_cache(num_gpu_blocks=64)
+    V = r.vocab_size()
+    assert r.call("execute_model", scheduler_output=step([new("a", [5, 6, 7], [0], 3)]), defer_sampling=True) is None
+    bm = _bitmask(V, [42]).tobytes()
+    out = r.call("sample_tokens", grammar_output={"structured_output_request_ids": ["a"], "grammar_bitmask": bm})
+    assert out["sampled_token_ids"] == [[42]]
+    assert r.compile_or_warm_up_model() > 0  # v1 form unchanged
+    times = r.call("compile_or_warm_up_model", compilation_times=True)
+    assert times["language_model"] > 0 and times["encoder"] == 0.0
+    with pytest.raises(RemoteError) as e:
+        r.call("sample_tokens", grammar_output=None)
+    assert e.value.status == 409
+    # A restarted scheduler re-initialises the running worker from `ready` with reset=true
+    # (without it, as v1: 409, nothing changes).
+    with pytest.raises(RemoteError) as e:
+        r.init_device({"block_size": 32})
+    assert e.value.status == 409 and r.info()["state"] == "ready"
+    r.call("init_device", config={"block_size": 32}, reset=True)
+    assert r.info()["state"] == "device_ready"
+    r.load_model()
+    assert r.get_kv_cache_spec()["model.layers.0.self_attn"]["block_size"] == 32
+    r.close()
 
 
 def test_a_two_phase_step_samples_its_own_forward(make_worker) -> None:
@@ -178,25 +185,24 @@ def test_a_two_phase_step_samples_its_own_forward(make_worker) -> None:
     assert tokens(w.sample_tokens(None), "a") == plain
 
 
-def test_two_phase_steps_mixed_with_plain_ones_keep_mlx_lms_tokens_over_a_real_server(home, oracle_model) -> None:
+def test_two_phase_steps_mixed_with_plain_ones_keep_mlx_lms_tokens_over_a_real_server(server, oracle_model) -> None:
     # A two-phase step's forward is queued as its (empty) reply leaves, as the decode overlap is:
     # whichever way steps alternate, each samples the forward of its own tokens.
     prompt = prompts(200, [6], seed=11)[0]
     want, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), prompt, 10)  # (one block of 16)
-    with start_server(*SMALL) as s:
-        r = RemoteWorker(s.url)
-        r.init_device()
-        r.load_model()
-        r.initialize_cache(num_gpu_blocks=8)
-        got = []
-        for i in range(10):
-            out = step([new("a", prompt, [0], 10)]) if i == 0 else decode(["a"], [len(prompt) + i - 1])
-            if i % 3 == 1:  # a plain step now and then (it queues a decode ahead)
-                got += tokens(r.call("execute_model", scheduler_output=out), "a")
-                continue
-            assert r.call("execute_model", scheduler_output=out, defer_sampling=True) is None
-            got += tokens(r.call("sample_tokens", grammar_output=None), "a")
-        r.close()
+    r = RemoteWorker(server.url)
+    r.call("init_device", config={"block_size": BS}, reset=True)
+    r.load_model()
+    r.initialize_cache(num_gpu_blocks=8)
+    got = []
+    for i in range(10):
+        out = step([new("a", prompt, [0], 10)]) if i == 0 else decode(["a"], [len(prompt) + i - 1])
+        if i % 3 == 1:  # a plain step now and then (it queues a decode ahead)
+            got += tokens(r.call("execute_model", scheduler_output=out), "a")
+            continue
+        assert r.call("execute_model", scheduler_output=out, defer_sampling=True) is None
+        got += tokens(r.call("sample_tokens", grammar_output=None), "a")
+    r.close()
     assert got == want
 
 
