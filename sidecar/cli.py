@@ -13,6 +13,8 @@ _HELP = {
     "model": "builtin:tiny | builtin:tiny-qwen3 | builtin:small | builtin:smollm2 (real, 4-bit) | path to an mlx-lm model directory",
     "kv_dtype": "KV cache dtype: auto (the model's), float16, bfloat16, float32, or 8bit / 4bit (quantised as "
                 "mlx-lm's QuantizedKVCache, group size 64)",
+    "runner": "auto (pooling requests where the model directory declares an embedding or classification model), "
+              "generate, or pooling (any decoder model also embeds: vLLM's --runner pooling --convert embed)",
     "device": "auto (GPU when Metal/CUDA is available), gpu, cpu",
     "uds": "serve on this Unix socket (mode 0600) instead of TCP",
     "auth_token_file": "file holding the bearer token required on /rpc/* (or MLX_SIDECAR_AUTH_TOKEN)",
