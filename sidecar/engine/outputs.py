@@ -74,7 +74,8 @@ def build_output(rows: list[Row], res: SampleResult, verified: Verified | None,
     stats = StepStats(len(rows), sum(len(r.token_ids) for r in rows), prompt_tokens,
                       sum(map(len, sampled)), 0.0, tuple(ttfts),
                       verified.num_draft if verified else 0, verified.num_accepted if verified else 0,
-                      prefill_chunks=sum(not r.sample and r.state.pooling_params is None for r in rows),
+                      prefill_chunks=sum(not r.sample and (r.state.pooling_params is None or
+                                                          r.end < len(r.state.prompt_token_ids)) for r in rows),
                       pooled_requests=sum(v is not None for v in pooled or ()))
     out = ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
