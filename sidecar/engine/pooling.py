@@ -89,6 +89,13 @@ def _st_pooling(path: Path) -> str | None:
     return next((kind for key, kind in _ST_MODES.items() if flags.get(key)), None)
 
 
+def _st_dense(path: Path) -> bool:
+    try:
+        return any(str(m.get("type", "")).endswith("Dense") for m in json.loads((path / "modules.json").read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
 def pooling_model(model: nn.Module, config: dict, path: Path, runner: str) -> PoolingModel | None:
     """What the model offers for pooling requests (None: generation only). `runner` auto offers it
     where the directory declares an embedding (sentence-transformers) or classification model;
@@ -97,6 +104,9 @@ def pooling_model(model: nn.Module, config: dict, path: Path, runner: str) -> Po
     declared = head is not None or (path / "modules.json").is_file()
     if runner == "generate" or (runner == "auto" and not declared):
         return None
+    if _st_dense(path):
+        raise ProtocolError("the model directory's sentence-transformers Dense projection is not applied by the "
+                            "sidecar (its embeddings would differ from the model's)", field="config.model")
     if decoder(model) is None:
         raise ProtocolError("pooling needs the model's final hidden states, and this model has no decoder module "
                             "at model.model (encoder-only models are not served)", field="config.runner")
