@@ -244,3 +244,19 @@ def test_mean_pooling_refuses_a_cached_prefix_and_a_classifier_refuses_sampling(
     d = Driver(c.execute_model, c.config.block_size, c.runner.num_blocks)
     d.add("g", prompt(8))
     _refused(c, d, "scheduled_new_reqs[0].sampling_params")
+
+
+def test_sentence_transformers_config_sets_the_default_and_a_dense_projection_is_refused(
+        make_worker, home, tmp_path: Path) -> None:
+    dst = tmp_path / "mean-embed"
+    shutil.copytree(resolve_model(EMBED, home), dst)
+    flags = json.loads((dst / "1_Pooling" / "config.json").read_text())
+    flags.update(pooling_mode_lasttoken=False, pooling_mode_mean_tokens=True)
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps(flags))
+    assert make_worker(str(dst)).runner.pooling.default_type == "MEAN"
+    modules = json.loads((dst / "modules.json").read_text())
+    (dst / "modules.json").write_text(json.dumps(modules + [{"idx": 3, "name": "3", "path": "3_Dense",
+                                                              "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ProtocolError) as e:
+        make_worker(str(dst))
+    assert e.value.field == "config.model" and "Dense" in e.value.message
