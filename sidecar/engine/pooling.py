@@ -22,8 +22,12 @@ import mlx.nn as nn
 from sidecar.engine.selection import decoder
 from sidecar.engine.state import Row
 from sidecar.errors import ProtocolError
+from sidecar.kv.spec import UnsupportedModel
 from sidecar.wire.pooling_params import PoolingModel, PoolingParams
 
+# Bidirectional encoders: no mlx-lm module, and no causal paged cache could serve them.
+ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "distilbert", "electra",
+                      "modernbert", "nomic_bert", "new", "gte"})
 # sentence-transformers' 1_Pooling/config.json flags -> vLLM's pooling types
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 
@@ -73,6 +77,10 @@ def load(path: Path, lazy: bool = False) -> tuple[nn.Module, dict]:
     from mlx_lm.utils import load_model
 
     config = json.loads((Path(path) / "config.json").read_text())
+    if str(config.get("model_type", "")).lower() in ENCODERS:
+        raise UnsupportedModel(f"{config['model_type']} is an encoder-only (bidirectional) model: the sidecar serves "
+                               "decoder models (an embedding model converted from one, e.g. Qwen3-Embedding)",
+                               field="config.model")
     if is_classifier(config):
         return load_model(Path(path), lazy=lazy, get_model_classes=_classifier_classes)
     return load_model(Path(path), lazy=lazy)

@@ -260,3 +260,14 @@ def test_sentence_transformers_config_sets_the_default_and_a_dense_projection_is
     with pytest.raises(ProtocolError) as e:
         make_worker(str(dst))
     assert e.value.field == "config.model" and "Dense" in e.value.message
+
+
+def test_an_encoder_only_model_is_refused_by_name(make_worker, home, tmp_path: Path) -> None:
+    dst = tmp_path / "bert"
+    shutil.copytree(resolve_model(EMBED, home), dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(model_type="bert", architectures=["BertModel"])
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ProtocolError) as e:
+        make_worker(str(dst))
+    assert e.value.field == "config.model" and "bert is an encoder-only" in e.value.message
