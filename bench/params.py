@@ -88,6 +88,11 @@ class BenchParams:
     spec_lookup_max: int = 5
     spec_candidates: int = 4  # repetitive-prompt candidates probed
     spec_probe_tokens: int = 12
+    # Embedding throughput (embed.py): last-token pooled prompts, batch 1 and `embed_batch`.
+    embed_batch: int = 32
+    embed_prompt_min: int = 64
+    embed_prompt_max: int = 512
+    embed_repeats: int = 2
     # vLLM's engine vs the reference scheduler over one sidecar (needs .venv-vllm).
     vllm: bool = True
     # Warm-up sizes (both sides).
@@ -116,6 +121,7 @@ def quick(**kw: object) -> BenchParams:
         sweep_prompt_len=4, sweep_new_tokens=4, warmup_new_tokens=4,
         tiny_new_tokens=128, tiny_repeats=5, long_contexts=(1024, 4096), long_new_tokens=24, long_repeats=2,
         spec_new_tokens=64, spec_repeats=1, spec_candidates=3, spec_probe_tokens=8,
+        embed_prompt_max=128, embed_repeats=1,
     ).replace(**kw)
 
 
@@ -146,6 +152,7 @@ def tiny(**kw: object) -> BenchParams:
         long_model="builtin:tiny-kv64", long_contexts=(64, 200), long_new_tokens=4, long_repeats=1, long_blocks=64,
         long_kv8_context=200,
         spec_prompt_len=8, spec_new_tokens=8, spec_repeats=1, spec_candidates=2, spec_probe_tokens=4,
+        embed_batch=4, embed_prompt_min=4, embed_prompt_max=12, embed_repeats=1,
         vllm=False,  # vLLM's start-up alone takes about a minute
     ).replace(**kw)
 

@@ -4,6 +4,7 @@ scheduler) against mlx-lm (in this process) on the same model, greedy, same prom
 Scenarios (headline keys in the JSON): single_stream_ratio, batch32_ratio, rpc_overhead_ms_p50 /
 rpc_overhead_ms_p99 (and per batch size), prefix_ttft_ratio, pool_size_ratio, sampling_mixed_ratio,
 spec_repetitive_ratio / spec_random_ratio (n-gram speculation on vs off, spec.py),
+embed_batch_ratio / embed_b1_ratio (embedding throughput, embed.py),
 vllm_engine_ratio (vLLM's engine through the worker class / the reference scheduler, when .venv-vllm exists),
 plus throughput against concurrency for both sides (the PNG). Workload sizes: params.py.
 """
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import blas, pool_sampling, report, scenarios, spec, workloads
+from bench import blas, embed, pool_sampling, report, scenarios, spec, workloads
 from bench.cpu import CpuMeter
 from bench.params import BenchParams, from_cli
 from bench.report import REQUIRED_KEYS, table
@@ -122,7 +123,7 @@ class _LivePids:
 
 
 STAGES = ("single_stream", "rpc batch 1", "batch", "sweep", "sampling", "prefix", "rpc overhead", "pool_size",
-          "tiny single stream", "long context", "speculative", "vllm engine")
+          "tiny single stream", "long context", "speculative", "embeddings", "vllm engine")
 
 
 def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
@@ -194,6 +195,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
             ("tiny single stream", lambda: workloads.tiny_single_stream(b, pair_for)),
             ("long context", lambda: workloads.long_context(b, pair_for)),
             ("speculative", lambda: spec.speculative(b, make_side)),
+            ("embeddings", lambda: embed.embeddings(b, make_side)),
             ("vllm engine", lambda: vllm_engine(b, make_side)),
         ]
         assert [n for n, _ in stages] == list(STAGES)

@@ -1,4 +1,4 @@
-"""`mlx-sidecar serve | generate | model-dir`: every Config field is a `serve` flag (--field-name)."""
+"""`mlx-sidecar serve | generate | embed | model-dir`: every Config field is a `serve` flag (--field-name)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ _HELP = {
     "model": "builtin:tiny | builtin:tiny-qwen3 | builtin:small | builtin:smollm2 (real, 4-bit) | path to an mlx-lm model directory",
     "kv_dtype": "KV cache dtype: auto (the model's), float16, bfloat16, float32, or 8bit / 4bit (quantised as "
                 "mlx-lm's QuantizedKVCache, group size 64)",
+    "runner": "auto (pooling requests where the model directory declares an embedding or classification model), "
+              "generate, or pooling (any decoder model also embeds: vLLM's --runner pooling --convert embed)",
     "device": "auto (GPU when Metal/CUDA is available), gpu, cpu",
     "uds": "serve on this Unix socket (mode 0600) instead of TCP",
     "auth_token_file": "file holding the bearer token required on /rpc/* (or MLX_SIDECAR_AUTH_TOKEN)",
@@ -86,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="two steps in flight (docs/protocol.md, pipelined steps) over 1 pipelined connection "
                           "or 2 connections; 0: one step at a time. Not with --speculative")
 
+    from sidecar.scheduler.embed import add_embed_parser
+
+    add_embed_parser(sub)
+
     md = sub.add_parser("model-dir", help="print (or write with --dest) the model directory vLLM needs locally")
     md.add_argument("model", nargs="?", default="builtin:tiny")
     md.add_argument("--dest", default=None, help="write only config + tokenizer files here (no MLX needed for built-ins)")
@@ -119,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mlx-sidecar: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "embed":
+        from sidecar.scheduler.embed import embed_cli
+
+        return embed_cli(args)
     from sidecar.scheduler.generate import generate_cli
 
     return generate_cli(args)

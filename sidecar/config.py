@@ -15,6 +15,7 @@ class Config:
     kv_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16 | float32 | 8bit | 4bit (quantised)
     max_model_len: int = 0  # 0: from the model's config (max_position_embeddings), capped at 32768
     seed: int = 0
+    runner: str = "auto"  # auto (pooling where the model directory declares it) | generate | pooling
     # device and memory
     device: str = "auto"  # auto | gpu | cpu
     gpu_memory_utilization: float = 0.9
@@ -100,6 +101,7 @@ class Config:
             ("kv_dtype", self.kv_dtype in ("auto", "float16", "bfloat16", "float32", "8bit", "4bit"),
              "must be auto|float16|bfloat16|float32|8bit|4bit"),
             ("device", self.device in ("auto", "gpu", "cpu"), "must be auto, gpu or cpu"),
+            ("runner", self.runner in ("auto", "generate", "pooling"), "must be auto, generate or pooling"),
             ("log_format", self.log_format in ("text", "json"), "must be text or json"),
             ("max_queue", self.max_queue >= 1, "must be >= 1"),
             ("max_loras", self.max_loras >= 1, "must be >= 1"),
@@ -160,7 +162,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # operator's (flags, environment), never a caller's. kv_cache_memory_bytes: the vLLM worker's.
 RUNTIME_OVERRIDES = frozenset({
     "kv_dtype", "max_model_len", "seed", "device", "gpu_memory_utilization", "block_size", "max_num_seqs",
-    "max_num_batched_tokens", "max_logprobs", "decode_ahead", "kv_cache_memory_bytes",
+    "max_num_batched_tokens", "max_logprobs", "decode_ahead", "kv_cache_memory_bytes", "runner",
     # vLLM's speculative_config (ngram) drives the proposer through the worker class; a draft model is a path: not here
     "speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
 })

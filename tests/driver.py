@@ -19,6 +19,8 @@ class Req:
     sent: bool = False  # the worker has seen it
     resumed: bool = False
     new_blocks: list[int] = field(default_factory=list)
+    pooling: dict | None = None  # a pooling request: sent instead of sampling params
+    pooled: list | None = None  # its pooler_output, once returned
 
     @property
     def known(self) -> int:
@@ -40,9 +42,10 @@ class Driver:
         return taken
 
     def add(self, rid: str, prompt: list[int], sampling: dict | None = None, *,
-            blocks: list[int] | None = None, computed: int = 0) -> Req:
+            blocks: list[int] | None = None, computed: int = 0, pooling: dict | None = None) -> Req:
         need = -(-len(prompt) // self.bs) + 4
         r = Req(rid, list(prompt), sampling or {"temperature": 0.0}, blocks if blocks is not None else self.alloc(need), computed)
+        r.pooling = pooling
         self.reqs[rid] = r
         return r
 
@@ -78,7 +81,8 @@ class Driver:
             self._grow(r, r.computed + n)
             nst[r.rid] = n
             if not r.sent:
-                new.append({"req_id": r.rid, "prompt_token_ids": r.prompt, "sampling_params": r.sampling,
+                new.append({"req_id": r.rid, "prompt_token_ids": r.prompt,
+                            "sampling_params": None if r.pooling is not None else r.sampling, "pooling_params": r.pooling,
                             "block_ids": [list(r.blocks)], "num_computed_tokens": r.computed, "lora_request": None})
             else:
                 cached["req_ids"].append(r.rid)
@@ -107,6 +111,8 @@ class Driver:
             r.sent, r.resumed, r.new_blocks = True, False, []
             r.computed += n
             toks = res["sampled_token_ids"][res["req_id_to_index"][rid]]
+            if res.get("pooler_output") and res["pooler_output"][res["req_id_to_index"][rid]] is not None:
+                r.pooled = res["pooler_output"][res["req_id_to_index"][rid]]
             if toks:
                 r.out += toks
                 if res.get("logprobs"):

@@ -265,5 +265,5 @@ def output_from_wire(d: dict) -> ModelRunnerOutput:
         req_ids=d["req_ids"], req_id_to_index=d["req_id_to_index"], sampled_token_ids=d["sampled_token_ids"],
         logprobs=lists(d.get("logprobs")),
         prompt_logprobs_dict={k: lists(v) for k, v in (d.get("prompt_logprobs_dict") or {}).items()},
-        num_nans_in_logits=d.get("num_nans_in_logits"),
+        num_nans_in_logits=d.get("num_nans_in_logits"), pooler_output=d.get("pooler_output"),
     )

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from sidecar.errors import ProtocolError, StateError
 from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
-from sidecar.engine import prefill_split
+from sidecar.engine import pooling, prefill_split
 from sidecar.engine.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.engine.lora import LoRAManager
 from sidecar.kv.batch_caches import build_caches, read_bounded, read_limit, step_batches
@@ -30,7 +30,7 @@ from sidecar.engine.planner import apply, plan_step
 from sidecar.engine.state import RequestState, Row, StepPlan
 from sidecar.engine.outputs import StepStats, build_output
 from sidecar.engine.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
-from sidecar.engine.selection import logits_at
+from sidecar.engine.selection import forward_at
 from sidecar.engine.spec_decode import SpecCounters, Verified, verify
 
 
@@ -78,6 +78,8 @@ class ModelRunner:
         # The hook for distributed groups: when set, each padded batch of `forward` runs inside this
         # context and is evaluated before the next is built (distributed/shard.py).
         self.batch_guard: Callable[[], AbstractContextManager] | None = None
+        self.pooling: Any = None  # PoolingModel: what pooling requests may ask (None: generation only)
+        self._pool_parts: dict[int, Any] = {}  # this step's hidden states of pooling rows (pooling.py)
 
     ahead_hits = property(lambda self: self.overlap.hits)  # decode rows taken from the queued forward
     ahead_misses = property(lambda self: self.overlap.misses)  # rows it computed for nothing
@@ -144,7 +146,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
-                         state_groups=self.state_groups, num_groups=len(self.groups))
+                         state_groups=self.state_groups, num_groups=len(self.groups), pooling=self.pooling)
         restore = self._apply(plan)
         try:
             logits, prompt_lp = self._logits(plan.rows)
@@ -216,6 +218,7 @@ class ModelRunner:
     def _logits(self, rows: list[Row], overlap: bool = True) -> tuple[mx.array | None, dict]:
         """The step's forward (lazy): each row's last logits and prompt-logprob spans. Decode rows
         the queued forward computed are taken from it; the rest run as padded batches."""
+        self._pool_parts = {}
         if not rows:
             return None, {}
         last: list[mx.array | None] = [None] * len(rows)
@@ -272,7 +275,8 @@ class ModelRunner:
                   for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
             if self.decode_ahead:
                 self.overlap.queue(self, rows, last_tok, at, drafted)
-        out, self.last_stats = build_output(rows, res, verified, prompt_lp)
+        out, self.last_stats = build_output(rows, res, verified, prompt_lp,
+                                            pooling.finish(rows, self._pool_parts, self.model))
         if verified is not None:
             self.spec = SpecCounters(self.spec.draft_tokens + verified.num_draft,
                                      self.spec.accepted_tokens + verified.num_accepted, self.spec.steps_with_drafts + 1)
@@ -315,11 +319,15 @@ class ModelRunner:
             select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
         # Every position selected (a batch of decodes): no gather.
         index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
+        keep, pool_spans = pooling.positions(rows, lengths, L)
         caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
-            logits = logits_at(self.model, mx.array(flat, dtype=mx.int32).reshape(len(rows), L), caches, index)
+            ids = mx.array(flat, dtype=mx.int32).reshape(len(rows), L)
+            logits, hidden = forward_at(self.model, ids, caches, index,
+                                        mx.array(keep, dtype=mx.int32) if keep else None)
+            pooling.collect(hidden, pool_spans, where, self._pool_parts)
             if stores is not None:
                 stores.append(store_states)
             else:

@@ -23,10 +23,11 @@ class StepStats:
     draft_tokens: int = 0  # drafts verified in the step, and how many were accepted
     accepted_tokens: int = 0
     prefill_chunks: int = 0  # rows that computed a prompt chunk without sampling
+    pooled_requests: int = 0  # pooling requests whose result the step returned
 
 
 def build_output(rows: list[Row], res: SampleResult, verified: Verified | None,
-                 prompt_lp: dict) -> tuple[ModelRunnerOutput, StepStats]:
+                 prompt_lp: dict, pooled: list | None = None) -> tuple[ModelRunnerOutput, StepStats]:
     """Commit each sampling row's tokens to its request state and build the step's output."""
     now = time.monotonic()
     sampled: list[list[int]] = []
@@ -73,10 +74,12 @@ def build_output(rows: list[Row], res: SampleResult, verified: Verified | None,
     stats = StepStats(len(rows), sum(len(r.token_ids) for r in rows), prompt_tokens,
                       sum(map(len, sampled)), 0.0, tuple(ttfts),
                       verified.num_draft if verified else 0, verified.num_accepted if verified else 0,
-                      prefill_chunks=sum(not r.sample for r in rows))
+                      prefill_chunks=sum(not r.sample and (r.state.pooling_params is None or
+                                                          r.end < len(r.state.prompt_token_ids)) for r in rows),
+                      pooled_requests=sum(v is not None for v in pooled or ()))
     out = ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
         sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs_dict=plp_dict,
-        num_nans_in_logits=nans or None,
+        num_nans_in_logits=nans or None, pooler_output=pooled,
     )
     return out, stats

@@ -11,6 +11,7 @@ from sidecar.errors import ProtocolError
 from sidecar.wire.protocol import SchedulerOutput
 from sidecar.engine.placeholders import PLACEHOLDER, check_placeholder
 from sidecar.engine.state import RequestState, Row, StepPlan
+from sidecar.wire.pooling_params import PoolingModel, needs_every_position
 
 _DRAFTS = "scheduled_spec_decode_tokens"
 _NO_DRAFTS = "speculative decoding is not offered for models with recurrent state (a rejected draft cannot be undone)"
@@ -48,13 +49,14 @@ def _check_no_stray_drafts(spec: Mapping[str, list[int]], scheduled: set[str]) -
 def plan_step(
     requests: dict[str, RequestState], out: SchedulerOutput, *,
     num_blocks: int, block_size: int, vocab_size: int, max_model_len: int, loras: set[int] | frozenset[int] = frozenset(),
-    state_groups: frozenset[int] | None = None, num_groups: int = 1,
+    state_groups: frozenset[int] | None = None, num_groups: int = 1, pooling: PoolingModel | None = None,
 ) -> StepPlan:
     """Validate the whole batch and plan it; raises ProtocolError (with the field path) on any violation.
 
     `state_groups`: the groups of recurrent layers (None: the model has none). Their state lives in
     the request's first block of the group; it cannot be recovered from blocks, so such a model
-    computes every request from position 0 (no prefix caching) and in order."""
+    computes every request from position 0 (no prefix caching) and in order. `pooling`: what the
+    model offers for pooling requests (None: a generative-only model)."""
     recurrent = state_groups is not None
     finished = set(out.finished_req_ids)  # unknown finished ids are ignored, as vLLM's runner does
     live = {rid for rid in requests if rid not in finished}
@@ -143,13 +145,14 @@ def plan_step(
         if nr.lora_request is not None and nr.lora_request.get("lora_int_id") not in loras:
             raise ProtocolError(f"LoRA {nr.lora_request.get('lora_int_id')!r} is not loaded; call add_lora first",
                                 field=f"{path}.lora_request.lora_int_id")
+        pp = _pooling(nr, path, start, pooling, bool(drafts))
         state = RequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params, table, start,
                              lora_request=nr.lora_request, other_block_ids=list(tables[1:]),
-                             output_token_ids=list(known_ids[len(nr.prompt_token_ids):]))
+                             output_token_ids=list(known_ids[len(nr.prompt_token_ids):]), pooling_params=pp)
         new_states.append(state)
         known = end - len(drafts)
-        rows.append(Row(state, start, state.tokens(start, known) + drafts, table, known == state.num_tokens, len(drafts),
-                        list(tables[1:])))
+        rows.append(Row(state, start, state.tokens(start, known) + drafts, table,
+                        known == state.num_tokens and pp is None, len(drafts), list(tables[1:])))
 
     cached = out.scheduled_cached_reqs
     for i, rid in enumerate(cached.req_ids):
@@ -205,11 +208,16 @@ def plan_step(
             tables = [old if not new else old + new for old, new in zip(old_tables, added_g)]
             known_blocks = [len(t) for t in old_tables]
         check_tables(tables, end, f"{path}.new_block_ids[{i}]", False, known_blocks)
+        pp = state.pooling_params
+        if pp is not None and (drafts or outputs or (needs_every_position(pp) and start not in (0, state.pooled_upto))):
+            raise ProtocolError(f"pooling request {rid!r} continues from {state.pooled_upto} or restarts from 0 "
+                                "(no drafts, no new tokens)", field=f"{path}.num_computed_tokens[{i}]")
         updates.append((state, tables, outputs))
         known = end - len(drafts)
         # (Only the row's own tokens are sliced out: a decode row is not O(context) here.)
         toks = state.tokens(start, known) if outputs is None else (state.prompt_token_ids + outputs)[start:known]
-        rows.append(Row(state, start, toks + drafts, tables[0], known == num_tokens, len(drafts), tables[1:]))
+        rows.append(Row(state, start, toks + drafts, tables[0], known == num_tokens and pp is None, len(drafts),
+                        tables[1:]))
 
     _check_no_stray_drafts(out.scheduled_spec_decode_tokens, seen)
     extra = set(out.num_scheduled_tokens) - seen
@@ -223,6 +231,29 @@ def plan_step(
             field="total_num_scheduled_tokens")
     return StepPlan(sorted(finished & set(requests)), new_states, updates, rows, sorted(preempted),
                     out.kv_cache_block_copies)
+
+
+def _pooling(nr, path: str, start: int, model: PoolingModel | None, drafts: bool):
+    """A new request's pooling params resolved against the model (None: a sampling request)."""
+    pp = nr.pooling_params
+    if pp is None:
+        if model is not None and model.classify_only:
+            raise ProtocolError("this model is a classification model: its requests carry pooling_params",
+                                field=f"{path}.sampling_params")
+        return None
+    if model is None:
+        raise ProtocolError("this model serves generation only: pooling needs a pooling model (an embedding or "
+                            "classification model directory, or the sidecar started with --runner pooling)",
+                            field=f"{path}.pooling_params")
+    pp = model.resolve(pp, f"{path}.pooling_params")
+    if drafts:
+        raise ProtocolError("a pooling request has no drafts", field=f"{_DRAFTS}.{nr.req_id}")
+    if needs_every_position(pp) and start:
+        raise ProtocolError(f"{pp.pooling_type} pooling needs every position's hidden state, and those of a cached "
+                            "prefix are not kept: num_computed_tokens must be 0", field=f"{path}.num_computed_tokens")
+    if len(nr.prefill_token_ids or nr.prompt_token_ids) != len(nr.prompt_token_ids):
+        raise ProtocolError("a pooling request has no output tokens", field=f"{path}.prefill_token_ids")
+    return pp
 
 
 def apply(requests: dict[str, RequestState], plan: StepPlan) -> None:

@@ -19,10 +19,11 @@ import mlx.nn as nn
 
 
 class _Selected:
-    """Stands in for `model.model` for one call: its output at the flat positions `index`."""
+    """Stands in for `model.model` for one call: its output at the flat positions `index` (None:
+    all), keeping the hidden states at `keep` (pooling requests' positions) in `kept`."""
 
-    def __init__(self, inner: nn.Module, index: mx.array):
-        self.inner, self.index, self.used = inner, index, False
+    def __init__(self, inner: nn.Module, index: mx.array | None, keep: mx.array | None = None):
+        self.inner, self.index, self.keep, self.used, self.kept = inner, index, keep, False, None
 
     def __getattr__(self, name: str) -> Any:  # embed_tokens (tied heads), args, ...
         return getattr(self.inner, name)
@@ -31,15 +32,27 @@ class _Selected:
         h = self.inner(*args, **kwargs)
         if isinstance(h, mx.array) and h.ndim == 3 and not self.used:
             self.used = True
-            return h.reshape(-1, h.shape[-1])[self.index][None]
+            flat = h.reshape(-1, h.shape[-1])
+            if self.keep is not None:
+                self.kept = flat[self.keep]
+            return h if self.index is None else flat[self.index][None]
         return h
 
 
-def logits_at(model: nn.Module, tokens: mx.array, cache: list, index: mx.array | None) -> mx.array:
-    """The model's logits [len(index), V] at the flat positions `index` of tokens [B, L] (None: all)."""
+def decoder(model: nn.Module) -> nn.Module | None:
+    """The module whose output is the final hidden states (final norm included), if there is one."""
     owner = model if "model" in model else model.get("language_model")
-    inner = owner.get("model") if isinstance(owner, nn.Module) and index is not None else None
-    sel = _Selected(inner, index) if isinstance(inner, nn.Module) else None  # type: ignore[arg-type]
+    inner = owner.get("model") if isinstance(owner, nn.Module) else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def forward_at(model: nn.Module, tokens: mx.array, cache: list, index: mx.array | None,
+               keep: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+    """The model's logits [len(index), V] at the flat positions `index` of tokens [B, L] (None:
+    all), and its final hidden states [len(keep), D] at the flat positions `keep` (None: none)."""
+    owner = model if "model" in model else model.get("language_model")
+    inner = decoder(model) if index is not None or keep is not None else None
+    sel = _Selected(inner, index, keep) if inner is not None else None
     if sel is not None:
         object.__setattr__(owner, "model", sel)  # an instance attribute over the module's own entry
     try:
@@ -48,4 +61,10 @@ def logits_at(model: nn.Module, tokens: mx.array, cache: list, index: mx.array |
         if sel is not None:
             object.__delattr__(owner, "model")
     out = out.reshape(-1, out.shape[-1])
-    return out if index is None or (sel is not None and sel.used) else out[index]
+    logits = out if index is None or (sel is not None and sel.used) else out[index]
+    return logits, sel.kept if sel is not None else None
+
+
+def logits_at(model: nn.Module, tokens: mx.array, cache: list, index: mx.array | None) -> mx.array:
+    """The model's logits [len(index), V] at the flat positions `index` of tokens [B, L] (None: all)."""
+    return forward_at(model, tokens, cache, index)[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from sidecar.wire.pooling_params import PoolingParams
 from sidecar.wire.sampling_params import SamplingParams
 
 
@@ -25,6 +26,9 @@ class RequestState:
     preempted: bool = False  # listed in preempted_req_ids: a new request may take over its id (v2)
     prompt_lp_parts: list = field(default_factory=list)  # prompt_logprobs_whole: chunks so far
     other_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.. (empty: one table for all)
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
+    pooled: object = None  # engine/pooling.py: what the chunks so far contributed
+    pooled_upto: int = 0  # the positions whose hidden states `pooled` holds
 
     @property
     def num_tokens(self) -> int:

@@ -50,6 +50,7 @@ class BuiltinSpec:
     max_position_embeddings: int = 2048
     version: int = 2  # bump whenever the generated files change (2: chat template)
     extra_config: dict | None = None  # family-specific config keys (sidecar.models.families)
+    pooling: str | None = None  # "embed" (sentence-transformers files) | "classify" (a `score` head)
 
 
 _TINY = BuiltinSpec(
@@ -75,6 +76,11 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     ),
     # For long-context decode: ~10 MiB of fp32 weights, 4 KiB of KV per token (16 MiB at 4096
     # tokens, more than the weights), as an 8B 4-bit model near 32k tokens; 32k positions.
+    # A Qwen3-architecture embedding model: last-token pooling, normalised (as Qwen3-Embedding).
+    "tiny-embed": replace(_TINY, model_type="qwen3", tie_word_embeddings=True, rope_theta=1e6, pooling="embed"),
+    # A one-label sequence classifier (a cross-encoder for score/rerank): the decoder and a `score`
+    # head, no LM head, as transformers' LlamaForSequenceClassification checkpoints ship it.
+    "tiny-classify": replace(_TINY, pooling="classify"),
     "longctx": BuiltinSpec(
         "llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
         intermediate_size=512, tie_word_embeddings=False, bpe_vocab=512, max_position_embeddings=32768,
@@ -179,6 +185,7 @@ def write_builtin(name: str, dest: Path, seed: int = SEED) -> None:
     """Write the files of built-in ``name`` into the existing directory ``dest``, marker last."""
     files = builtin_files(name)
     for filename, content in files.items():
+        (dest / filename).parent.mkdir(exist_ok=True)
         write_json(dest / filename, content)
     _write_weights(files["config.json"], dest / "model.safetensors", seed)
     marker = {"builtin": name, "version": BUILTIN_MODELS[name].version, "seed": seed}
@@ -231,7 +238,32 @@ def builtin_files(name: str) -> dict[str, dict]:
         # A plain role-prefixed transcript, so chat APIs (vLLM's /v1/chat/completions) work.
         "chat_template": CHAT_TEMPLATE,
     }
-    return {"config.json": config, "tokenizer_config.json": tokenizer_config, "tokenizer.json": tok}
+    files = {"config.json": config, "tokenizer_config.json": tokenizer_config, "tokenizer.json": tok}
+    files.update(_pooling_files(spec, config))
+    return files
+
+
+def _pooling_files(spec: BuiltinSpec, config: dict) -> dict[str, dict]:
+    """An embedding model's sentence-transformers files (vLLM and the worker read its pooling from
+    them), or a classifier's config keys."""
+    if spec.pooling == "classify":
+        config.update(architectures=[config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
+                      num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        return {}
+    if spec.pooling != "embed":
+        return {}
+    config["is_matryoshka"] = True  # any `dimensions` (vLLM checks this flag)
+    return {
+        "modules.json": [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                         {"idx": 2, "name": "2", "path": "2_Normalize",
+                          "type": "sentence_transformers.models.Normalize"}],
+        "1_Pooling/config.json": {"word_embedding_dimension": spec.hidden_size, "pooling_mode_lasttoken": True,
+                                  "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False,
+                                  "include_prompt": True},
+        "2_Normalize/config.json": {},
+        "config_sentence_transformers.json": {"similarity_fn_name": "cosine"},
+    }
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -282,6 +314,10 @@ def _write_weights(config: dict, path: Path, seed: int) -> None:
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
     weights = {k: mx.array(init_tensor(k, shape, config, seed)) for k, shape in sorted(shapes.items())}
     model.load_weights(list(weights.items()), strict=True)  # checks names and shapes
+    if str(config["architectures"][0]).endswith("ForSequenceClassification"):
+        del weights["lm_head.weight"]
+        weights["score.weight"] = mx.array(init_tensor("score.weight", (config["num_labels"], config["hidden_size"]),
+                                                       config, seed))
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
 
 

@@ -26,12 +26,24 @@ def model_dir(name: str, home: str | None = None, dest: str | None = None) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] in BUILTIN_MODELS:
         for filename, content in builtin_files(name[len(BUILTIN_PREFIX):]).items():
+            (out / filename).parent.mkdir(exist_ok=True)
             (out / filename).write_text(json.dumps(content, indent=2) + "\n")
         return out.resolve()
     src = resolve_model(name, home)  # a local directory (or an unknown built-in: ModelNotFound)
-    copied = [f for f in VLLM_FILES if (src / f).is_file()]
+    copied = [f for f in VLLM_FILES + _sentence_transformers(src) if (src / f).is_file()]
     if "config.json" not in copied:
         raise ModelNotFound(f"{src} has no config.json")
     for f in copied:
+        (out / f).parent.mkdir(exist_ok=True)
         shutil.copyfile(src / f, out / f)
     return out.resolve()
+
+
+def _sentence_transformers(src: Path) -> tuple[str, ...]:
+    """An embedding model's sentence-transformers files: vLLM reads its pooling from them."""
+    try:
+        modules = json.loads((src / "modules.json").read_text())
+        subdirs = [m["path"] + "/config.json" for m in modules if m.get("path")]
+    except (OSError, ValueError, TypeError, KeyError):
+        return ()
+    return ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json", *subdirs)

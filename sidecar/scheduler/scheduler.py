@@ -52,6 +52,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
+    # A pooling request (wire pooling_params, vLLM names): prefilled, never sampled; finished by
+    # the step that returns its pooler_output, kept in `pooled`. Use max_tokens=1.
+    pooling_params: dict | None = None
+    pooled: list | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -91,6 +95,7 @@ class Event:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    pooled: list | None = None  # a pooling request's result
 
 
 def prefix_caching_offered(kv_cache_spec: dict | None) -> bool:
@@ -198,7 +203,9 @@ class Scheduler:
         # that doesn't fit blocks the queue.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits = self.blocks.cached_prefix(req)
+            # Hidden states are not cached: only last-token pooling may skip a cached prefix.
+            pooled_all = req.pooling_params is not None and req.pooling_params.get("pooling_type") != "LAST"
+            hits = [] if pooled_all else self.blocks.cached_prefix(req)
             num_computed = len(hits) * self.block_size
             n = self._num_new_tokens(req, budget, num_computed)
             if not self.blocks.allocate(req, num_computed + n, hits):
@@ -219,6 +226,10 @@ class Scheduler:
                     "req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
                     "sampling_params": req.wire_sampling_params(), "block_ids": [list(req.block_table)],
                     "num_computed_tokens": num_computed, "lora_request": None,
+                } if req.pooling_params is None else {
+                    "req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
+                    "pooling_params": req.pooling_params, "block_ids": [list(req.block_table)],
+                    "num_computed_tokens": num_computed,
                 })
 
         finished, self._finished_ids = self._finished_ids, []
@@ -245,6 +256,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: dict, model_runner_output: dict) -> list[Event]:
         index = model_runner_output["req_id_to_index"]
         sampled = model_runner_output["sampled_token_ids"]
+        pooled = model_runner_output.get("pooler_output") or [None] * len(sampled)
         spec = scheduler_output.get("scheduled_spec_decode_tokens") or {}
         events: list[Event] = []
         for req_id, n in scheduler_output["num_scheduled_tokens"].items():
@@ -254,6 +266,18 @@ class Scheduler:
             k = len(spec.get(req_id, ()))
             req.num_computed_tokens += n - k
             new = list(sampled[index[req_id]])
+            if req.pooling_params is not None:
+                done = req.num_computed_tokens == req.num_tokens
+                if new or done != (pooled[index[req_id]] is not None):
+                    raise ValueError(f"worker returned {new} / pooler_output for pooling request {req_id!r} at "
+                                     f"{req.num_computed_tokens}/{req.num_tokens} tokens")
+                self.blocks.cache_blocks(req)
+                if done:
+                    req.pooled = pooled[index[req_id]]
+                    self.running.remove(req)
+                    self._finish(req, "stop")
+                    events.append(Event(req_id, [], True, "stop", req.pooled))
+                continue
             # The worker samples exactly when the computed tokens reach the end of the known ones,
             # and returns 1..k+1 tokens for k drafts.
             sample = req.num_computed_tokens == req.num_tokens

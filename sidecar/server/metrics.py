@@ -202,6 +202,8 @@ class Metrics:
         self.steps = Counter(p + "steps", "execute_model calls that ran a forward pass", registry=events)
         self.prefill_chunks = Counter(p + "prefill_chunks", "Rows that computed part of a prompt without sampling "
                                       "(chunked prefill)", registry=events)
+        self.pooling_requests = Counter(p + "pooling_requests", "Pooling requests (embeddings, classification, scores) "
+                                        "whose result was returned", registry=events)
         self.errors = Counter(p + "errors", "Error replies by error type, plus start-up preload failures (type=\"preload\")",
                               ["type"], registry=events)
         self.step_duration = Histogram(p + "step_duration_seconds", "execute_model compute time",
@@ -264,6 +266,8 @@ class Metrics:
         self.generation_tokens.inc(stats.generated_tokens)
         if stats.prefill_chunks:
             self.prefill_chunks.inc(stats.prefill_chunks)
+        if stats.pooled_requests:
+            self.pooling_requests.inc(stats.pooled_requests)
         for t in stats.first_token_latencies:
             self.ttft.observe(t)
         if stats.draft_tokens:

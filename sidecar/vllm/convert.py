@@ -19,7 +19,7 @@ class Unsupported(ValueError):
 
 def sampling_params(sp: Any, req_id: str) -> dict:
     if sp is None:
-        raise Unsupported(f"request {req_id}: pooling requests are not supported by the MLX sidecar")
+        raise Unsupported(f"request {req_id}: a request with neither sampling nor pooling params")
     if getattr(sp, "logits_processors", None):
         raise Unsupported(f"request {req_id}: custom logits processors cannot run in the MLX sidecar")
     return {
@@ -36,6 +36,34 @@ def sampling_params(sp: Any, req_id: str) -> dict:
     }
 
 
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+
+
+def pooling_params(pp: Any, req_id: str, pooler_config: Any) -> dict:
+    """vLLM's PoolingParams plus the pooling type its pooler config names (the pooler is the
+    model runner's in vLLM; here the sidecar pools, so it is told per request)."""
+    if pp.task not in POOLING_TASKS:
+        raise Unsupported(f"request {req_id}: pooling task {pp.task!r} is not supported by the MLX sidecar "
+                          f"(supported: {', '.join(POOLING_TASKS)})")
+    token = pp.task.startswith("token_")
+    kind = getattr(pooler_config, "tok_pooling_type" if token else "seq_pooling_type", None)
+    if kind not in (("ALL",) if token else ("LAST", "MEAN", "CLS")):
+        raise Unsupported(f"request {req_id}: pooling type {kind!r} is not supported by the MLX sidecar")
+    return {"task": pp.task, "pooling_type": kind, "dimensions": pp.dimensions,
+            "use_activation": pp.use_activation}
+
+
+def pooler_config(pc: Any, enable_prefix_caching: bool) -> None:
+    """What the sidecar's pooler cannot honour is refused at start-up, never silently dropped."""
+    if pc is None:
+        return
+    if pc.logit_mean is not None or pc.logit_sigma is not None:
+        raise Unsupported("pooler_config logit_mean/logit_sigma (score calibration) is not supported by the MLX sidecar")
+    if enable_prefix_caching and pc.seq_pooling_type in ("MEAN", "CLS"):
+        raise Unsupported(f"{pc.seq_pooling_type} pooling needs every prompt position's hidden state, which a prefix "
+                          "cache hit skips: run without --enable-prefix-caching (vLLM's default for this pooling)")
+
+
 def lora_request(lr: Any) -> dict | None:
     if lr is None:
         return None
@@ -46,17 +74,22 @@ def _groups(block_ids: Any) -> list[list[int]]:
     return [list(g) for g in block_ids]
 
 
-def scheduler_output(so: SchedulerOutput) -> dict:
+def scheduler_output(so: SchedulerOutput, pooler: Any = None) -> dict:
+    """`pooler`: vLLM's PoolerConfig (a pooling runner)."""
     new = []
     for r in so.scheduled_new_reqs:
         if r.prompt_token_ids is None:
             raise Unsupported(f"request {r.req_id}: prompt embeddings are not supported by the MLX sidecar")
+        pooling = getattr(r, "pooling_params", None)
         new.append({
             "req_id": r.req_id, "prompt_token_ids": list(r.prompt_token_ids),
-            "sampling_params": sampling_params(r.sampling_params, r.req_id), "block_ids": _groups(r.block_ids),
+            "sampling_params": None if pooling is not None else sampling_params(r.sampling_params, r.req_id),
+            "block_ids": _groups(r.block_ids),
             "num_computed_tokens": r.num_computed_tokens, "lora_request": lora_request(r.lora_request),
             "prefill_token_ids": None if r.prefill_token_ids is None else list(r.prefill_token_ids),
         })
+        if pooling is not None:
+            new[-1]["pooling_params"] = pooling_params(pooling, r.req_id, pooler)
     c = so.scheduled_cached_reqs
     cached = {
         "req_ids": list(c.req_ids), "resumed_req_ids": sorted(c.resumed_req_ids),
@@ -145,9 +178,12 @@ def model_runner_output(d: dict) -> ModelRunnerOutput:
             torch.tensor(p["logprob_token_ids"], dtype=torch.int32).reshape(-1, width),
             torch.tensor(p["logprobs"], dtype=torch.float32).reshape(-1, width),
             torch.tensor(ranks, dtype=torch.int32))
+    pooled = d.get("pooler_output")
     return ModelRunnerOutput(
         req_ids=d["req_ids"], req_id_to_index=d["req_id_to_index"], sampled_token_ids=d["sampled_token_ids"],
-        logprobs=logprobs, prompt_logprobs_dict=prompt, num_nans_in_logits=d.get("num_nans_in_logits"))
+        logprobs=logprobs, prompt_logprobs_dict=prompt, num_nans_in_logits=d.get("num_nans_in_logits"),
+        pooler_output=None if pooled is None else [None if v is None else torch.tensor(v, dtype=torch.float32)
+                                                   for v in pooled])
 
 
 def kv_cache_spec(wire: dict[str, dict]) -> dict[str, KVCacheSpec]:

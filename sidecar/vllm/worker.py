@@ -85,6 +85,10 @@ class MLXSidecarWorker(WorkerBase):
         if mc.seed is not None:
             config["seed"] = mc.seed
         config.update(convert.speculative_config(self.vllm_config.speculative_config))
+        if mc.runner_type == "pooling":  # any decoder may embed (--convert embed), as in vLLM
+            convert.pooler_config(mc.pooler_config, bool(cc.enable_prefix_caching))
+            config["runner"] = "pooling"
+
         try:
             self._call("init_device", config=config, reset=True)  # from any state: a restarted vLLM starts over
         except RemoteError as e:
@@ -122,7 +126,10 @@ class MLXSidecarWorker(WorkerBase):
         return CompilationTimes(**self._call("compile_or_warm_up_model", compilation_times=True))
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        if self.model_config.runner_type != "pooling":
+            return ("generate",)
+        labels = (self._call("get_model").get("pooling") or {}).get("num_labels", 0)
+        return ("classify", "token_classify") if labels else ("embed", "token_embed")
 
     def reset_mm_cache(self) -> None:
         pass  # no multi-modal inputs reach the sidecar: nothing is cached
@@ -138,7 +145,7 @@ class MLXSidecarWorker(WorkerBase):
 
     def execute_model(self, scheduler_output: Any) -> Any:
         self._load_loras(scheduler_output)
-        wire = convert.scheduler_output(scheduler_output)
+        wire = convert.scheduler_output(scheduler_output, self.model_config.pooler_config)
         if scheduler_output.has_structured_output_requests:
             self._call("execute_model", scheduler_output=wire, defer_sampling=True, step_id=self._step_id)
             self._deferred = True

@@ -11,6 +11,7 @@ from itertools import chain
 from typing import Any, Callable
 
 from sidecar.errors import ProtocolError
+from sidecar.wire.pooling_params import PoolingParams
 from sidecar.wire.sampling_params import SamplingParams
 
 # The codecs live in wire/codec.py (no MLX); re-exported for the callers that import them from here.
@@ -109,6 +110,7 @@ class NewRequestData:
     # v2: vLLM's model runner V2 resumes a preempted request as a new one carrying every known
     # token (prompt + outputs so far); its state replaces the old one of the same id.
     prefill_token_ids: list[int] | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (wire/pooling_params.py)
 
 
 @dataclass
@@ -203,7 +205,17 @@ def _new_request(d: Any, path: str, vocab_size: int, max_logprobs: int) -> NewRe
         num_computed_tokens=get(d, "num_computed_tokens", int, path, default=0),
         lora_request=lora,
         prefill_token_ids=_prefill_tokens(d, path, prompt),
+        pooling_params=_pooling(d, path),
     )
+
+
+def _pooling(d: dict, path: str) -> PoolingParams | None:
+    if d.get("pooling_params") is None:
+        return None
+    if d.get("sampling_params") is not None:
+        raise ProtocolError("a request carries sampling_params or pooling_params, not both",
+                            field=_join(path, "pooling_params"))
+    return PoolingParams.from_wire(d["pooling_params"], path=_join(path, "pooling_params"))
 
 
 def _prefill_tokens(d: dict, path: str, prompt: list[int]) -> list[int] | None:
@@ -281,6 +293,9 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists | PromptLogprobs | None] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] | None = None
+    # Per request: its pooled result (a vector, or one per prompt token) in the step computing its
+    # last prompt token, else None; None as a whole when the step has no pooling request.
+    pooler_output: list[list[float] | list[list[float]] | None] | None = None
 
     def to_wire(self) -> dict:
         # By hand: dataclasses.asdict deep-copies every leaf, a measurable cost per step.
@@ -292,12 +307,15 @@ class ModelRunnerOutput:
                 "logprob_token_ids": x.logprob_token_ids, "logprobs": x.logprobs,
                 "sampled_token_ranks": x.sampled_token_ranks, "cu_num_generated_tokens": x.cu_num_generated_tokens}
 
-        return {
+        out = {
             "req_ids": self.req_ids, "req_id_to_index": self.req_id_to_index,
             "sampled_token_ids": self.sampled_token_ids, "logprobs": lists(self.logprobs),
             "prompt_logprobs_dict": {k: lists(v) for k, v in self.prompt_logprobs_dict.items()},
             "num_nans_in_logits": self.num_nans_in_logits,
         }
+        if self.pooler_output is not None:
+            out["pooler_output"] = self.pooler_output
+        return out
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -111,8 +111,7 @@ class MLXWorker(StateMachine):
 
     @lifecycle
     def load_model(self) -> None:
-        from mlx_lm.utils import load_model
-
+        from sidecar.engine import pooling
         from sidecar.models import ModelNotFound, resolve_model
         from sidecar.models.importable import check_importable
         from sidecar.kv.spec import UnsupportedModel
@@ -120,7 +119,7 @@ class MLXWorker(StateMachine):
         try:  # what fails here is the model directory the operator configured: 4xx, and no paths
             path = resolve_model(self.config.model, self.config.home)
             check_importable(path)  # 400 (field model) naming a package mlx-lm's module needs
-            model, config = load_model(path, lazy=self.lazy_load)
+            model, config = pooling.load(path, lazy=self.lazy_load)
             self.model, self.model_config, self.model_path = model, config, path
             vocab, eos = vocab_size(config), eos_ids(config, path)
         except UnsupportedModel:
@@ -132,6 +131,7 @@ class MLXWorker(StateMachine):
         kv_dtype = None if self.config.kv_dtype == "auto" else self.config.kv_dtype
         try:
             caches = derive(model, self.config.block_size, kv_dtype)  # 400 naming an unsupported layer kind
+            pooling_offered = pooling.pooling_model(model, config, path, self.config.runner)
         except BaseException:
             self.model, self.model_config, self.model_path = None, {}, None
             raise
@@ -143,6 +143,7 @@ class MLXWorker(StateMachine):
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
             caches=caches,
         )
+        self.runner.pooling = pooling_offered
         try:
             probe_batched(self.runner)
         except BaseException:

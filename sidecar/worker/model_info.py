@@ -54,5 +54,7 @@ def describe(worker: Any) -> dict:
         "weights_bytes": worker.weights_bytes, "dtype": dtype_name(model_dtype(model)),
         "quantization": mc.get("quantization"), "max_model_len": runner.max_model_len if runner else None,
         "eos_token_ids": eos_ids(mc, worker.model_path), "path": str(worker.model_path), "name": worker.config.model,
+        # What pooling requests may ask (docs/protocol.md, Pooling); null: generation only.
+        "pooling": runner.pooling.__dict__ if runner is not None and runner.pooling is not None else None,
     }
 

@@ -49,9 +49,9 @@ class SleepMode:
         runner = worker.runner
         assert runner is not None
         if "weights" in wanted & self.asleep:
-            from mlx_lm.utils import load_model
+            from sidecar.engine.pooling import load
 
-            model, _ = load_model(worker.model_path, lazy=worker.lazy_load)
+            model, _ = load(worker.model_path, lazy=worker.lazy_load)
             worker.model = model
             runner.set_model(model)
             worker.weights_bytes = weights_bytes(model)

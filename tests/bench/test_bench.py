@@ -54,6 +54,7 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     # Goals whose figure this profile does not measure (the 4k/16k contexts) show n/a.
     assert out.count("PASS") + out.count("FAIL") == sum(1 for g in GOALS if g.op and doc.get(g.key) is not None)
     assert doc["tiny_single_stream_tokens_match"] == 1.0
+    assert doc["embed_max_abs_diff"] < 1e-4  # both sides embed the same prompts alike
     assert doc["tiny_single_stream_pipelined_tokens_match"] == doc["tiny_single_stream_pipelined_2conn_tokens_match"] == 1.0
     curve = doc["long_ctx_curve"]
     assert curve["context"] == [64, 200]  # the tiny profile's contexts

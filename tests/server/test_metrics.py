@@ -41,7 +41,7 @@ GAUGES: dict[str, set[str]] = {
     "spec_decode_acceptance_ratio": set(),  # issue 12
 }
 COUNTERS = {"rpc_requests": {"method", "code"}, "prompt_tokens": set(), "generation_tokens": set(),
-            "steps": set(), "errors": {"type"}, "prefill_chunks": set(),
+            "steps": set(), "errors": {"type"}, "prefill_chunks": set(), "pooling_requests": set(),
             "spec_decode_draft_tokens": set(), "spec_decode_accepted_tokens": set(),  # issue 12
             "mlx_thread_idle_seconds": set()}  # issue 11
 HISTOGRAMS = {"rpc_duration_seconds": {"method"}, "step_duration_seconds": set(), "step_tokens": set(),

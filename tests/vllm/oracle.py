@@ -6,6 +6,7 @@ JSON on stdin -> JSON on stdout.
 {"model": ..., "prompts": [[int]], "max_tokens": n, "kv_bits": 8|4} -> [{"tokens", "logprobs"}] (mlx-lm with its
   QuantizedKVCache from the first token: tests/kv/test_quant.py's oracle)
 {"model": ..., "chat": [messages], "max_tokens": n} -> {"prompt": [int], "tokens": [int], "text": str}
+{"model": ..., "prompts": [[int]], "pool": kind, "score": bool} -> pooled hidden states (see `pool`)
 "adapter": <dir> applies an mlx-lm LoRA adapter; {"model": ..., "make_adapter": <dir>, "seed": s} makes one.
 """
 
@@ -41,11 +42,30 @@ def make_adapter(name: str, dest: Path, seed: int, rank: int = 4) -> None:
                                                           "lora_parameters": params}))
 
 
+def pool(req: dict) -> None:
+    """{"model", "prompts", "pool": "LAST"|"MEAN"|"CLS"|"ALL", "score": bool} -> per prompt mlx-lm's final hidden
+    states pooled by hand, unnormalised (with "score": through the checkpoint's score weights: raw logits)."""
+    from mlx_lm.utils import load_model
+
+    from tests.engine.test_pooling import hidden, pooled_by_hand
+
+    path = resolve_model(req["model"])
+    model = load_model(path, strict=False)[0]  # the decoder (a classifier's head by hand below)
+    out = [pooled_by_hand(hidden(model, p), req["pool"]) for p in req["prompts"]]
+    if req.get("score"):
+        w = np.array(mx.load(str(path / "model.safetensors"))["score.weight"])
+        out = [o @ w.T for o in out]
+    json.dump([o.tolist() for o in out], sys.stdout)
+
+
 def main() -> None:
     req = json.load(sys.stdin)
     if "make_adapter" in req:
         make_adapter(req["model"], Path(req["make_adapter"]), req["seed"])
         json.dump(None, sys.stdout)
+        return
+    if "pool" in req:
+        pool(req)
         return
     model, tokenizer = mlx_lm.load(str(resolve_model(req["model"])), adapter_path=req.get("adapter"))
     n = req["max_tokens"]

@@ -131,3 +131,36 @@ def test_quantised_specs_give_vllm_the_sidecars_exact_page_size() -> None:
     for dtype in ("fp8", "int8_per_token_head"):
         with pytest.raises(convert.Unsupported, match=f"--kv-cache-dtype {dtype} .* --kv-dtype 8bit or 4bit"):
             convert.cache_dtype(dtype)
+
+
+def test_pooling_requests_carry_the_pooler_configs_type_and_results_become_tensors() -> None:
+    from vllm.config import PoolerConfig
+    from vllm.pooling_params import PoolingParams
+
+    so = _vllm_step()
+    so.scheduled_new_reqs[0].sampling_params = None
+    so.scheduled_new_reqs[0].pooling_params = PoolingParams(task="embed", dimensions=8, use_activation=True)
+    so.scheduled_new_reqs[0].prefill_token_ids = None
+    so.num_scheduled_tokens["a"], so.total_num_scheduled_tokens = 3, 4
+    wire = convert.scheduler_output(so, PoolerConfig(seq_pooling_type="MEAN", tok_pooling_type="ALL"))
+    nr = WireSchedulerOutput.from_wire(wire, vocab_size=512, max_logprobs=20).scheduled_new_reqs[0]
+    assert (nr.pooling_params.task, nr.pooling_params.pooling_type, nr.pooling_params.dimensions) == ("embed", "MEAN", 8)
+    assert wire["scheduled_new_reqs"][0]["sampling_params"] is None
+    so.scheduled_new_reqs[0].pooling_params = PoolingParams(task="plugin")
+    with pytest.raises(convert.Unsupported, match="plugin"):
+        convert.scheduler_output(so, PoolerConfig(seq_pooling_type="MEAN"))
+    out = convert.model_runner_output({"req_ids": ["a", "b"], "req_id_to_index": {"a": 0, "b": 1},
+                                       "sampled_token_ids": [[], [5]], "pooler_output": [[0.6, 0.8], None]})
+    assert out.pooler_output[1] is None and out.pooler_output[0].dtype == torch.float32
+    assert out.pooler_output[0].tolist() == pytest.approx([0.6, 0.8])
+
+
+def test_pooler_settings_the_sidecar_cannot_honour_are_refused() -> None:
+    from vllm.config import PoolerConfig
+
+    convert.pooler_config(PoolerConfig(seq_pooling_type="LAST"), enable_prefix_caching=True)
+    with pytest.raises(convert.Unsupported, match="prefix"):
+        convert.pooler_config(PoolerConfig(seq_pooling_type="MEAN"), enable_prefix_caching=True)
+    convert.pooler_config(PoolerConfig(seq_pooling_type="MEAN"), enable_prefix_caching=False)
+    with pytest.raises(convert.Unsupported, match="logit_mean"):
+        convert.pooler_config(PoolerConfig(seq_pooling_type="LAST", logit_mean=0.5), enable_prefix_caching=False)
