@@ -248,6 +248,10 @@ class RemoteWorker:
     def list_loras(self) -> list[int]:
         return self.call("list_loras")
 
+    def kv_store_lookup(self, block_hashes: list[bytes], lora_request: dict | None = None) -> int:
+        """How many leading blocks of these chained block hashes the worker's disk KV tier holds."""
+        return self.call("kv_store_lookup", block_hashes=list(block_hashes), lora_request=lora_request)
+
     def profile(self, is_start: bool = True) -> None:
         return self.call("profile", is_start=is_start)
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from sidecar.errors import ProtocolError
 from sidecar.wire.sampling_params import SamplingParams
+from sidecar.wire import kv_store
 
 # The codecs live in wire/codec.py (no MLX); re-exported for the callers that import them from here.
 from sidecar.wire.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
@@ -133,6 +134,9 @@ class SchedulerOutput:
     kv_cache_block_copies: list[tuple[int, int]] = field(default_factory=list)
     # {req_id: [draft token ids]}: verified in this step (engine/spec_decode.py)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # disk KV tier (wire/kv_store.py): stored blocks to load before the forward, blocks to save after
+    kv_store_load: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
+    kv_store_save: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -157,6 +161,8 @@ class SchedulerOutput:
             kv_cache_block_copies=list_of(get(d, "kv_cache_block_copies", list, default=[]), "kv_cache_block_copies",
                                           _block_copy),
             scheduled_spec_decode_tokens=_spec_tokens(get(d, "scheduled_spec_decode_tokens", dict, default={})),
+            kv_store_load=kv_store.transfers(d, kv_store.LOAD),
+            kv_store_save=kv_store.transfers(d, kv_store.SAVE),
         )
 
 
@@ -281,6 +287,7 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists | PromptLogprobs | None] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] | None = None
+    invalid_block_ids: list[int] | None = None  # disk KV tier: blocks whose load failed (vLLM's name)
 
     def to_wire(self) -> dict:
         # By hand: dataclasses.asdict deep-copies every leaf, a measurable cost per step.
@@ -292,12 +299,15 @@ class ModelRunnerOutput:
                 "logprob_token_ids": x.logprob_token_ids, "logprobs": x.logprobs,
                 "sampled_token_ranks": x.sampled_token_ranks, "cu_num_generated_tokens": x.cu_num_generated_tokens}
 
-        return {
+        wire = {
             "req_ids": self.req_ids, "req_id_to_index": self.req_id_to_index,
             "sampled_token_ids": self.sampled_token_ids, "logprobs": lists(self.logprobs),
             "prompt_logprobs_dict": {k: lists(v) for k, v in self.prompt_logprobs_dict.items()},
             "num_nans_in_logits": self.num_nans_in_logits,
         }
+        if self.invalid_block_ids is not None:  # only in steps that loaded from the disk KV tier
+            wire["kv_connector_output"] = {"invalid_block_ids": self.invalid_block_ids}
+        return wire
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
