@@ -270,4 +270,5 @@ def output_from_wire(d: dict) -> ModelRunnerOutput:
         logprobs=lists(d.get("logprobs")),
         prompt_logprobs_dict={k: lists(v) for k, v in (d.get("prompt_logprobs_dict") or {}).items()},
         num_nans_in_logits=d.get("num_nans_in_logits"),
+        invalid_block_ids=(d.get("kv_connector_output") or {}).get("invalid_block_ids"),
     )

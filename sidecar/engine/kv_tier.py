@@ -10,6 +10,7 @@ so the scheduler recomputes them; its next step continues from there and the tok
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ class TierCounters:
     failed_loads: int = 0  # blocks whose load failed (the scheduler recomputes them)
     load_seconds: float = 0.0
     bytes_loaded: int = 0
+    lookup_blocks: int = 0  # blocks asked for by kv_store_lookup
+    lookup_hits: int = 0  # of them, held by the store (a lookup stops at the first block it lacks)
 
 
 @dataclass
@@ -66,7 +69,10 @@ class KVTier:
         if lora_request is not None:
             check(lora_request, dict, "lora_request")
         tag = adapter_tag(lora_request)  # type: ignore[arg-type]
-        return self.store.lookup([self.key(h, tag) for h in hs])
+        n = self.store.lookup([self.key(h, tag) for h in hs])
+        self.counters.lookup_blocks += len(hs)
+        self.counters.lookup_hits += n
+        return n
 
     # --- the step -------------------------------------------------------------------------
 
@@ -167,6 +173,7 @@ def open_tier(store_dir: str | None, max_gb: float, model: str, model_path: obje
     store = _STORES.get(store_dir)
     if store is None:
         store = _STORES[store_dir] = BlockStore(store_dir, int(max_gb * (1 << 30)))
+        atexit.register(store.close)  # a clean exit writes what is queued
     identity = transfer.model_identity(model_path) if model_path is not None else model  # type: ignore[arg-type]
     refused = transfer.refusal(specs)
     if refused:

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from sidecar import __version__
 from sidecar.kv.spec import spec_wire
 from sidecar.engine.model_runner import StepStats
+from sidecar.server import kv_store
 from sidecar.server.instance import Instance
 from sidecar.worker.mlx_worker import MLXWorker, State, device_memory_bytes
 
@@ -165,6 +166,7 @@ class WorkerCollector(Collector):
                                    "(per step of a decode stream: the round trip it did not overlap)")
         idle.add_metric([], m.thread.idle_seconds if m.thread is not None else 0.0)
         yield idle
+        yield from kv_store.families(w, p)
         yield gauge("spec_decode_acceptance_ratio", "Speculative decoding: accepted / verified draft tokens since start "
                     "(0 before any)", m.spec_accepted / m.spec_drafts if m.spec_drafts else 0.0)
 
