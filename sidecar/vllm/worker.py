@@ -26,7 +26,7 @@ import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from sidecar.client.remote import RemoteError, RemoteWorker
-from sidecar.vllm import convert
+from sidecar.vllm import convert, kv_connector
 from sidecar.vllm.convert import Unsupported
 
 log = logging.getLogger(__name__)
@@ -139,13 +139,20 @@ class MLXSidecarWorker(WorkerBase):
     def execute_model(self, scheduler_output: Any) -> Any:
         self._load_loras(scheduler_output)
         wire = convert.scheduler_output(scheduler_output)
+        wire.update(kv_connector.step_fields(scheduler_output))  # the disk KV tier's loads and saves
         if scheduler_output.has_structured_output_requests:
             self._call("execute_model", scheduler_output=wire, defer_sampling=True, step_id=self._step_id)
             self._deferred = True
             return None
         out = self._call("execute_model", scheduler_output=wire, step_id=self._step_id)
         self._step_id += 1  # only once applied: a rejected step changed nothing and keeps its number
-        return convert.model_runner_output(out)
+        return self._output(out)
+
+    @staticmethod
+    def _output(out: dict) -> Any:
+        result = convert.model_runner_output(out)
+        result.kv_connector_output = kv_connector.connector_output(out)  # a failed store load: vLLM recomputes
+        return result
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         if not self._deferred:
@@ -153,7 +160,7 @@ class MLXSidecarWorker(WorkerBase):
         out = self._call("sample_tokens", grammar_output=convert.grammar_output(grammar_output), step_id=self._step_id)
         self._deferred = False
         self._step_id += 1
-        return convert.model_runner_output(out)
+        return self._output(out)
 
     def take_draft_token_ids(self) -> Any:
         try:
@@ -168,6 +175,9 @@ class MLXSidecarWorker(WorkerBase):
 
     def check_health(self) -> None:
         self._call("check_health")
+
+    def get_kv_connector_handshake_metadata(self) -> None:
+        return None  # the store connector exchanges nothing between workers
 
     # --- LoRA (adapter paths are resolved under the sidecar's --lora-dir) -----------------------
 
