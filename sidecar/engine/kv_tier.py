@@ -92,9 +92,10 @@ class KVTier:
         step = TierStep(invalid=[] if loads else None)
         nbytes, dropped = transfer.entry_bytes(pool), set()
         t0 = time.perf_counter()
+        got = iter(self.store.get_many([key for _, _, items in loads for _, _, key in items]))
         for rid, row, items in loads:
-            for n, (k, b, key) in enumerate(items):
-                data = self.store.get(key)
+            datas = [next(got) for _ in items]
+            for n, ((k, b, key), data) in enumerate(zip(items, datas)):
                 if data is None or len(data) != nbytes:
                     failed = [fb for _, fb, _ in items[n:]]
                     log.warning("kv store: load of %d block(s) of %r failed; recomputing from position %d",

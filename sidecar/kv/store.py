@@ -28,6 +28,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ MAGIC = b"MLXKVB1\0"
 _HEAD = struct.Struct("<8s32sQI")
 SUFFIX = ".kvb"
 _RECENT_EVICTIONS = 1 << 16  # keys remembered as evicted: a load of one is a miss, not an unknown hash
+READERS = 4  # entries read and verified in parallel (file reads and zlib.crc32 release the GIL)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class BlockStore:
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
+        self._readers: ThreadPoolExecutor | None = None
         self._evict()
 
     # --- paths and recovery ----------------------------------------------------------------
@@ -146,24 +149,32 @@ class BlockStore:
         with self._lock:
             return key in self._evicted
 
-    def get(self, key: bytes) -> bytes | None:
-        """The entry's payload, verified; None for a miss (absent, truncated, corrupt or foreign)."""
+    def get(self, key: bytes) -> bytes | memoryview | None:
+        """The entry's payload, verified; None for a miss (absent, truncated, corrupt or foreign).
+        (Use is marked by `lookup`, which a scheduler calls right before it loads.)"""
         t0 = time.perf_counter()
         with self._lock:
             data = self._pending.items.get(key)
         if data is None:
             data = self._read_file(key)
-        if data is None:
-            self.stats.misses += 1
-            return None
-        with self._lock:
-            self._db.execute("UPDATE entries SET last_used = ? WHERE key = ?", (time.time(), key))
-        self.stats.hits += 1
-        self.stats.bytes_read += len(data)
-        self.stats.read_seconds += time.perf_counter() - t0
+        with self._lock:  # (readers run in parallel: get_many)
+            if data is None:
+                self.stats.misses += 1
+                return None
+            self.stats.hits += 1
+            self.stats.bytes_read += len(data)
+            self.stats.read_seconds += time.perf_counter() - t0
         return data
 
-    def _read_file(self, key: bytes) -> bytes | None:
+    def get_many(self, keys: list[bytes]) -> list[bytes | memoryview | None]:
+        """`get` for each key, read and verified in parallel (in order)."""
+        if len(keys) < 2:
+            return [self.get(k) for k in keys]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kv-store-reader")
+        return list(self._readers.map(self.get, keys))
+
+    def _read_file(self, key: bytes) -> memoryview | None:
         path = self.path(key)
         try:
             with open(path, "rb") as f:
@@ -178,10 +189,11 @@ class BlockStore:
             ok = magic == MAGIC and stored_key == key and n == len(payload) and zlib.crc32(payload) == crc
         if not ok:
             log.warning("kv store: entry %s is corrupt or truncated; deleted (a miss)", path.name)
-            self.stats.corrupt += 1
+            with self._lock:
+                self.stats.corrupt += 1
             self._forget(key, unlink=True)
             return None
-        return bytes(payload)
+        return payload  # a view of the file's bytes: no copy
 
     def _forget(self, key: bytes, unlink: bool = False) -> None:
         with self._lock:
@@ -225,6 +237,8 @@ class BlockStore:
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout=30)
+        if self._readers is not None:
+            self._readers.shutdown()
         with self._lock:
             self._db.close()
 
