@@ -46,22 +46,6 @@ class SidecarStoreMetadata(KVConnectorMetadata):
         return {"kv_store_load": self.load, "kv_store_save": self.save}
 
 
-def step_fields(scheduler_output: Any) -> dict:
-    """The wire fields of the step's connector metadata (none without this connector)."""
-    meta = getattr(scheduler_output, "kv_connector_metadata", None)
-    return meta.step_fields() if isinstance(meta, SidecarStoreMetadata) else {}
-
-
-def connector_output(wire: dict) -> Any:
-    """vLLM's KVConnectorOutput for a reply that carries `kv_connector_output`, else None."""
-    got = wire.get("kv_connector_output")
-    if not got:
-        return None
-    from vllm.v1.outputs import KVConnectorOutput
-
-    return KVConnectorOutput(invalid_block_ids=set(got.get("invalid_block_ids") or ()))
-
-
 @dataclass
 class _Tracked:
     request: Any

@@ -26,7 +26,7 @@ import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from sidecar.client.remote import RemoteError, RemoteWorker
-from sidecar.vllm import convert, kv_connector
+from sidecar.vllm import convert
 from sidecar.vllm.convert import Unsupported
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,9 @@ class MLXSidecarWorker(WorkerBase):
     def execute_model(self, scheduler_output: Any) -> Any:
         self._load_loras(scheduler_output)
         wire = convert.scheduler_output(scheduler_output)
-        wire.update(kv_connector.step_fields(scheduler_output))  # the disk KV tier's loads and saves
+        meta = getattr(scheduler_output, "kv_connector_metadata", None)
+        if hasattr(meta, "step_fields"):  # the disk KV tier's loads and saves (sidecar.vllm.kv_connector)
+            wire.update(meta.step_fields())
         if scheduler_output.has_structured_output_requests:
             self._call("execute_model", scheduler_output=wire, defer_sampling=True, step_id=self._step_id)
             self._deferred = True
@@ -151,7 +153,11 @@ class MLXSidecarWorker(WorkerBase):
     @staticmethod
     def _output(out: dict) -> Any:
         result = convert.model_runner_output(out)
-        result.kv_connector_output = kv_connector.connector_output(out)  # a failed store load: vLLM recomputes
+        if out.get("kv_connector_output"):  # a disk-tier load failed: vLLM recomputes these blocks
+            from vllm.v1.outputs import KVConnectorOutput
+
+            result.kv_connector_output = KVConnectorOutput(
+                invalid_block_ids=set(out["kv_connector_output"].get("invalid_block_ids") or ()))
         return result
 
     def sample_tokens(self, grammar_output: Any) -> Any:
