@@ -102,7 +102,7 @@ class KVTier:
                                 len(failed), rid, k * bs)
                     step.invalid.extend(failed)  # type: ignore[union-attr]
                     self.counters.failed_loads += len(failed)
-                    plan.rows.remove(row)
+                    plan.rows[:] = [r for r in plan.rows if r is not row]
                     plan.rewinds.append((row.state, k * bs))
                     dropped.add(rid)
                     break

@@ -62,6 +62,8 @@ class MLXSidecarStoreConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _Tracked] = {}
         self._loads: dict[str, tuple[int, int]] = {}  # req_id -> (first block index, count), for the next step
         self._remote: RemoteWorker | None = None
+        self._refused: str | None = None  # the sidecar has no usable store: the connector stands aside
+        self._probed = False
         tc = vllm_config.kv_transfer_config
         if role == KVConnectorRole.SCHEDULER and tc.kv_load_failure_policy != "recompute":
             # A store entry that fails verification is a cache miss, never a failed request. (vLLM's
@@ -77,6 +79,11 @@ class MLXSidecarStoreConnector(KVConnectorBase_V1):
     # --- scheduler side ------------------------------------------------------------------------
 
     def _lookup(self, hashes: list[bytes], lora: Any) -> int:
+        if not self._probed:  # once: does the sidecar have a store for this model?
+            self._probed = True
+            self._lookup([], None)
+        if self._refused:
+            return 0
         if self._remote is None:
             from sidecar.vllm.worker import sidecar_settings
 
@@ -85,7 +92,14 @@ class MLXSidecarStoreConnector(KVConnectorBase_V1):
         lora_req = None if lora is None else {"lora_int_id": lora.lora_int_id, "lora_name": lora.lora_name}
         try:
             return int(self._remote.kv_store_lookup(hashes, lora_req))
-        except (RemoteError, OSError) as e:  # an unreachable or store-less sidecar: a miss, never an error
+        except RemoteError as e:
+            if e.status == 400:  # no --kv-store-dir, or a model the tier refuses: never send it steps
+                self._refused = str(e)
+                log.warning("the sidecar's disk KV tier is not available (%s): the connector does nothing", e)
+            else:
+                log.warning("kv store lookup failed (%s); computing the prompt", e)
+            return 0
+        except OSError as e:  # unreachable: a miss, never an error
             log.warning("kv store lookup failed (%s); computing the prompt", e)
             return 0
 
@@ -113,6 +127,11 @@ class MLXSidecarStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, bs = SidecarStoreMetadata(), self.block_size
+        if not self._probed:
+            self._lookup([], None)
+        if self._refused:
+            self._loads = {}
+            return meta
         for rid, (first, n) in self._loads.items():
             t = self._reqs[rid]
             table = self._table(rid)
