@@ -21,13 +21,14 @@ from bench.scenarios import Bench, decode_rate, median
 from bench.sides import SidecarSide, requests_for
 from sidecar.scheduler import Scheduler
 
-ENTRY_HEADER = 52  # sidecar/kv/store.py: magic, key, length, checksum
+ENTRY_HEADER = 56  # sidecar/kv/store.py: magic, key, length, checksum
 
 
-def _run(side: SidecarSide, prompt: list[int], new: int, tag: str) -> tuple[float, list[int], list[float]]:
+def _run(side: SidecarSide, prompt: list[int], new: int, tag: str,
+         store: bool = True) -> tuple[float, list[int], list[float]]:
     sched = Scheduler(num_blocks=side.num_blocks, block_size=side.block_size, max_num_seqs=side.max_num_seqs,
                       max_num_batched_tokens=side.max_num_batched_tokens, eos_token_ids=side.eos,
-                      kv_store_lookup=side.worker.kv_store_lookup)
+                      kv_store_lookup=side.worker.kv_store_lookup if store else None)
     res, _ = side.run(requests_for([prompt], new), tag=tag, scheduler=sched)
     rid = next(iter(res.tokens))
     return res.first_token_s[rid], res.tokens[rid], res.token_times[rid]
@@ -84,8 +85,8 @@ def kv_store(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) -> No
         # Steady-state decode: saving on (this server) vs the store off (the main server).
         on, off = [], []
         for i in range(p.kv_store_decode_repeats):
-            for side, rates in ((second, on), (b.sidecar, off)):
-                _, _, times = _run(side, b.prompt(p.single_prompt_len), p.kv_store_decode_tokens, "kv_decode")
+            for side, rates, saving in ((second, on, True), (b.sidecar, off, False)):
+                _, _, times = _run(side, b.prompt(p.single_prompt_len), p.kv_store_decode_tokens, "kv_decode", saving)
                 rates.append(decode_rate(times))
         second.close()
         second.server.stop()

@@ -46,7 +46,7 @@ def test_put_get_and_restart(tmp_path: Path):
 
 
 def test_lru_eviction_holds_the_bound(tmp_path: Path):
-    entry = 4096 + 52
+    entry = 4096 + 56
     s = BlockStore(tmp_path, 10 * entry)
     keys = [entry_key(NS, i.to_bytes(4, "little")) for i in range(30)]  # 3x the bound
     for i, k in enumerate(keys[:5]):
@@ -92,7 +92,7 @@ def test_a_damaged_entry_is_a_miss_and_deleted(tmp_path: Path, damage: str):
 
 
 def test_concurrent_readers_and_writer(tmp_path: Path):
-    entry = 4096 + 52
+    entry = 4096 + 56
     s = BlockStore(tmp_path, 40 * entry)  # small: readers race eviction too
     keys = [entry_key(NS, i.to_bytes(4, "little")) for i in range(200)]
     errors: list[str] = []
@@ -174,3 +174,22 @@ def test_an_entry_file_the_index_missed_is_recovered(tmp_path: Path):
     s2 = BlockStore(tmp_path, 1 << 30)
     assert s2.lookup([k]) == 1 and s2.get(k) == payload(7) and s2.size_bytes > 0
     s2.close()
+
+
+def test_both_checksums_verify_and_an_unknown_one_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from sidecar.kv import store as mod
+
+    s = BlockStore(tmp_path, 1 << 30)
+    keys = [entry_key(NS, bytes([i])) for i in range(3)]
+    for magic, k in zip(list(mod.CHECKSUMS), keys):  # each checksum this process knows
+        monkeypatch.setattr(mod, "MAGIC", magic)
+        s.put(k, payload(1))
+        s.flush(10)
+        assert s.path(k).read_bytes()[:8] == magic and s.get(k) == payload(1)
+    monkeypatch.setattr(mod, "MAGIC", b"MLXKVB\0\1")
+    s.put(keys[2], payload(2))
+    s.flush(10)
+    raw = s.path(keys[2]).read_bytes()
+    s.path(keys[2]).write_bytes(b"MLXKVB\0\7" + raw[8:])  # a checksum this process cannot compute
+    assert s.get(keys[2]) is None and s.stats.corrupt == 1
+    s.close()
