@@ -46,6 +46,22 @@ class SidecarStoreMetadata(KVConnectorMetadata):
         return {"kv_store_load": self.load, "kv_store_save": self.save}
 
 
+def _check_groups(groups: list) -> None:
+    """One group of full-attention layers: vLLM swaps the blocks a sliding window or an attention
+    chunk has left for its null block, so their tables cannot name every stored block."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if len(groups) > 1:
+        raise ValueError("MLXSidecarStoreConnector needs one KV cache group (a model whose layers are all "
+                         f"full attention); this model has {len(groups)}")
+    for g in groups:
+        inner = getattr(g.kv_cache_spec, "kv_cache_specs", None)
+        for spec in (inner.values() if isinstance(inner, dict) else [g.kv_cache_spec]):
+            if not isinstance(spec, FullAttentionSpec):
+                raise ValueError(f"MLXSidecarStoreConnector serves full-attention layers only, not "
+                                 f"{type(spec).__name__} (vLLM frees the blocks that leave a window)")
+
+
 @dataclass
 class _Tracked:
     request: Any
@@ -72,9 +88,8 @@ class MLXSidecarStoreConnector(KVConnectorBase_V1):
                      tc.kv_load_failure_policy)
             tc.kv_load_failure_policy = "recompute"
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if role == KVConnectorRole.SCHEDULER and len(groups) > 1:
-            raise ValueError("MLXSidecarStoreConnector needs one KV cache group (a model whose layers are all "
-                             "attention of one kind); this model has several")
+        if role == KVConnectorRole.SCHEDULER:
+            _check_groups(groups)
 
     # --- scheduler side ------------------------------------------------------------------------
 

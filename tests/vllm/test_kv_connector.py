@@ -79,3 +79,19 @@ def test_a_restarted_sidecar_serves_a_repeated_prompt_from_the_store(home: str, 
             assert info["corrupt_entries"] == 1 and info["failed_loads"] >= 1
         finally:
             llm.llm_engine.engine_core.shutdown()
+
+
+def test_the_connector_refuses_groups_it_cannot_name_every_block_of():
+    import pytest
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    from sidecar.vllm.kv_connector import _check_groups
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=8)
+    _check_groups([KVCacheGroupSpec(["a"], full)])
+    with pytest.raises(ValueError, match="SlidingWindowSpec"):
+        _check_groups([KVCacheGroupSpec(["a"], window)])
+    with pytest.raises(ValueError, match="has 2"):
+        _check_groups([KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)])
