@@ -32,7 +32,6 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +50,6 @@ MAGIC = b"MLXKVB\0\2" if _xxh3 else b"MLXKVB\0\1"  # what this process writes
 _HEAD = struct.Struct("<8s32sQQ")
 SUFFIX = ".kvb"
 _RECENT_EVICTIONS = 1 << 16  # keys remembered as evicted: a load of one is a miss, not an unknown hash
-READERS = 4  # entries read and verified in parallel (file reads and zlib.crc32 release the GIL)
 
 
 @dataclass
@@ -105,7 +103,6 @@ class BlockStore:
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
-        self._readers: ThreadPoolExecutor | None = None
         self._evict()
 
     # --- paths and recovery ----------------------------------------------------------------
@@ -170,7 +167,7 @@ class BlockStore:
             data = self._pending.items.get(key)
         if data is None:
             data = self._read_file(key)
-        with self._lock:  # (readers run in parallel: get_many)
+        with self._lock:  # (a reader may run beside the writer)
             if data is None:
                 self.stats.misses += 1
                 return None
@@ -180,12 +177,9 @@ class BlockStore:
         return data
 
     def get_many(self, keys: list[bytes]) -> list[bytes | memoryview | None]:
-        """`get` for each key, read and verified in parallel (in order)."""
-        if len(keys) < 2:
-            return [self.get(k) for k in keys]
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kv-store-reader")
-        return list(self._readers.map(self.get, keys))
+        """`get` for each key, in order. (Sequential: a thread pool measured slower on a shared 2-core
+        CPU; a many-core Mac may gain from one.)"""
+        return [self.get(k) for k in keys]
 
     def _read_file(self, key: bytes) -> memoryview | None:
         path = self.path(key)
@@ -251,8 +245,6 @@ class BlockStore:
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout=30)
-        if self._readers is not None:
-            self._readers.shutdown()
         with self._lock:
             self._db.close()
 
