@@ -95,7 +95,7 @@ class BenchParams:
     kv_store_prefix_len: int = 4096
     kv_store_new_tokens: int = 4
     kv_store_decode_tokens: int = 64
-    kv_store_decode_repeats: int = 2
+    kv_store_decode_repeats: int = 4
     kv_store_bound_blocks: int = 32  # the small store's bound, in entries; 3x it is written
     warmup_new_tokens: int = 8
     notes: tuple[str, ...] = field(default=())

@@ -24,7 +24,7 @@ def info(worker: Any) -> dict | None:
             "lookup_blocks": c.lookup_blocks, "lookup_hit_blocks": c.lookup_hits, "loaded_blocks": c.loaded_blocks,
             "saved_blocks": c.saved_blocks, "failed_loads": c.failed_loads, "bytes_read": s.bytes_read,
             "bytes_written": s.bytes_written, "evictions": s.evictions, "corrupt_entries": s.corrupt,
-            "dropped_writes": s.dropped_writes, "load_seconds": c.load_seconds}
+            "dropped_writes": s.dropped_writes, "load_seconds": c.load_seconds, "read_seconds": s.read_seconds}
 
 
 def families(worker: Any, prefix: str) -> Iterator[Metric]:
