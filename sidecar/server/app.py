@@ -204,7 +204,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
             "starting": sc.startup.stage,
             "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"
-            "kv_store": kv_store.info(sc.worker),
+            "kv_store": kv_store.info(snap.kv_tier),
         })
 
     async def metrics(request: Request) -> Response:

@@ -1,5 +1,6 @@
-"""The disk KV tier's metrics and `/info` entry, read from counters the MLX thread and the store's
-writer update (each an int attribute: one atomic read, never a wait on either thread)."""
+"""The disk KV tier's metrics and `/info` entry, read from the tier the MLX thread published in its
+snapshot (metrics.py): counters the MLX thread and the store's writer update, each an int
+attribute (one atomic read, never a wait on either thread)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,8 @@ from typing import Any, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
-def _tier(worker: Any) -> Any:
-    runner = getattr(worker, "runner", None)
-    return getattr(runner, "kv_tier", None)
-
-
-def info(worker: Any) -> dict | None:
+def info(tier: Any) -> dict | None:
     """`/info` `kv_store`: null without --kv-store-dir."""
-    tier = _tier(worker)
     if tier is None:
         return None
     s, c = tier.store.stats, tier.counters
@@ -27,8 +22,7 @@ def info(worker: Any) -> dict | None:
             "dropped_writes": s.dropped_writes, "load_seconds": c.load_seconds, "read_seconds": s.read_seconds}
 
 
-def families(worker: Any, prefix: str) -> Iterator[Metric]:
-    tier = _tier(worker)
+def families(tier: Any, prefix: str) -> Iterator[Metric]:
     if tier is None:
         return
     s, c, bs = tier.store.stats, tier.counters, tier.block_size
