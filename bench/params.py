@@ -96,6 +96,12 @@ class BenchParams:
     # vLLM's engine vs the reference scheduler over one sidecar (needs .venv-vllm).
     vllm: bool = True
     # Warm-up sizes (both sides).
+    # the disk KV tier (kv_store.py): a shared prefix served from the store after a restart
+    kv_store_prefix_len: int = 4096
+    kv_store_new_tokens: int = 4
+    kv_store_decode_tokens: int = 64
+    kv_store_decode_repeats: int = 4
+    kv_store_bound_blocks: int = 32  # the small store's bound, in entries; 3x it is written
     warmup_new_tokens: int = 8
     notes: tuple[str, ...] = field(default=())
 
@@ -122,6 +128,7 @@ def quick(**kw: object) -> BenchParams:
         tiny_new_tokens=128, tiny_repeats=5, long_contexts=(1024, 4096), long_new_tokens=24, long_repeats=2,
         spec_new_tokens=64, spec_repeats=1, spec_candidates=3, spec_probe_tokens=8,
         embed_prompt_max=128, embed_repeats=1,
+        kv_store_prefix_len=512, kv_store_decode_tokens=32, kv_store_bound_blocks=16,
     ).replace(**kw)
 
 
@@ -154,6 +161,8 @@ def tiny(**kw: object) -> BenchParams:
         spec_prompt_len=8, spec_new_tokens=8, spec_repeats=1, spec_candidates=2, spec_probe_tokens=4,
         embed_batch=4, embed_prompt_min=4, embed_prompt_max=12, embed_repeats=1,
         vllm=False,  # vLLM's start-up alone takes about a minute
+        kv_store_prefix_len=64, kv_store_new_tokens=2, kv_store_decode_tokens=8, kv_store_decode_repeats=1,
+        kv_store_bound_blocks=4,
     ).replace(**kw)
 
 

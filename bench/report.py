@@ -79,6 +79,15 @@ GOALS = (
     Goal("spec_random_ratio_bundled", "  both on the bundled reference BLAS, random", "", math.nan,
          "{spec_random_on_tok_s_bundled:.2f} / {spec_random_off_tok_s_bundled:.2f} tok/s, "
          "{spec_random_tokens_per_step_bundled:.2f} tok/step", "-"),
+    Goal("kv_store_ttft_ratio", "disk KV tier: TTFT after a restart / cold, {kv_store_prefix_len:.0f} tokens", "<=",
+         0.1, "{kv_store_ttft_s:.3f} s / {kv_store_cold_ttft_s:.3f} s", "tokens equal: {kv_store_tokens_match:.0f}"),
+    Goal("kv_store_bandwidth_ratio", "  load bandwidth / plain file read", ">=", 0.5,
+         "{kv_store_load_gbps:.2f} GB/s", "plain {kv_store_plain_read_gbps:.2f} GB/s"),
+    Goal("kv_store_decode_ratio", "  decode, saving on / store off", ">=", 0.97,
+         "{kv_store_decode_on_tok_s:.2f} / {kv_store_decode_off_tok_s:.2f} tok/s", "-"),
+    Goal("kv_store_bound_ratio", "  size / bound, 3x the bound written", "<=", 1.0,
+         "{kv_store_bound_size_bytes:.0f} of {kv_store_bound_max_bytes:.0f} B",
+         "{kv_store_bound_written_bytes:.0f} B written"),
 )
 
 # Every key the JSON must carry with a finite value (the smoke test checks these).

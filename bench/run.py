@@ -6,6 +6,7 @@ rpc_overhead_ms_p99 (and per batch size), prefix_ttft_ratio, pool_size_ratio, sa
 spec_repetitive_ratio / spec_random_ratio (n-gram speculation on vs off, spec.py),
 embed_batch_ratio / embed_b1_ratio (embedding throughput, embed.py),
 vllm_engine_ratio (vLLM's engine through the worker class / the reference scheduler, when .venv-vllm exists),
+kv_store_ttft_ratio / kv_store_bandwidth_ratio / kv_store_decode_ratio / kv_store_bound_ratio (the disk KV tier),
 plus throughput against concurrency for both sides (the PNG). Workload sizes: params.py.
 """
 
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import blas, embed, pool_sampling, report, scenarios, spec, workloads
+from bench import blas, embed, kv_store, pool_sampling, report, scenarios, spec, workloads
 from bench.cpu import CpuMeter
 from bench.params import BenchParams, from_cli
 from bench.report import REQUIRED_KEYS, table
@@ -123,7 +124,7 @@ class _LivePids:
 
 
 STAGES = ("single_stream", "rpc batch 1", "batch", "sweep", "sampling", "prefix", "rpc overhead", "pool_size",
-          "tiny single stream", "long context", "speculative", "embeddings", "vllm engine")
+          "tiny single stream", "long context", "speculative", "embeddings", "vllm engine", "kv store")
 
 
 def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
@@ -197,6 +198,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
             ("speculative", lambda: spec.speculative(b, make_side)),
             ("embeddings", lambda: embed.embeddings(b, make_side)),
             ("vllm engine", lambda: vllm_engine(b, make_side)),
+            ("kv store", lambda: kv_store.kv_store(b, make_side)),
         ]
         assert [n for n, _ in stages] == list(STAGES)
         stages = [(n, fn) for n, fn in stages if only is None or n in only]

@@ -23,6 +23,8 @@ _HELP = {
     "preload": "run init_device .. compile_or_warm_up_model at start-up, showing each stage; RPCs get 503 "
                "until it is done (then the scheduler may still re-drive it)",
     "lora_dir": "the only directory LoRA adapters may be loaded from",
+    "kv_store_dir": "keep full KV blocks on disk here (a prefix cache that outlives memory and restarts; default off)",
+    "kv_store_max_gb": "size bound of --kv-store-dir in GiB, least recently used blocks evicted (default 16)",
     "home": "where built-in models are generated (default: MLX_SIDECAR_HOME or the user cache dir)",
     "decode_ahead": "start the likely next decode step while the response travels (default on)",
     "tensor_parallel": "shard the model's heads over N ranks (mx.distributed; start every rank with mlx.launch)",

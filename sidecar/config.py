@@ -55,6 +55,9 @@ class Config:
     preload: bool = False  # run the lifecycle to `ready` at start-up
     lora_dir: str | None = None
     max_loras: int = 8
+    # the disk KV tier (engine/kv_tier.py): full blocks kept on disk past eviction and restarts
+    kv_store_dir: str | None = None
+    kv_store_max_gb: float = 16.0
     log_level: str = "warning"
     log_format: str = "text"  # text | json
     home: str | None = None  # MLX_SIDECAR_HOME: where built-in models are generated
@@ -120,6 +123,9 @@ class Config:
              "must be ring, jaccl, mpi, nccl or any"),
             ("rank_timeout", self.rank_timeout > 0, "must be > 0"),
             ("heartbeat_interval", self.heartbeat_interval > 0, "must be > 0"),
+            ("kv_store_max_gb", self.kv_store_max_gb > 0, "must be > 0"),
+            ("kv_store_dir", not self.kv_store_dir or self.world_size == 1,
+             "is not supported with tensor_parallel/pipeline_parallel (each rank holds a share of every block)"),
             ("speculative_method", self.world_size == 1 or self.spec_method == "none",
              "is not supported with tensor_parallel/pipeline_parallel (the verify step samples on every rank)"),
             ("speculative_method", self.speculative_method in ("none", "ngram", "draft_model"),

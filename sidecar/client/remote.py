@@ -248,6 +248,10 @@ class RemoteWorker:
     def list_loras(self) -> list[int]:
         return self.call("list_loras")
 
+    def kv_store_lookup(self, block_hashes: list[bytes], lora_request: dict | None = None) -> int:
+        """How many leading blocks of these chained block hashes the worker's disk KV tier holds."""
+        return self.call("kv_store_lookup", block_hashes=list(block_hashes), lora_request=lora_request)
+
     def profile(self, is_start: bool = True) -> None:
         return self.call("profile", is_start=is_start)
 
@@ -266,4 +270,5 @@ def output_from_wire(d: dict) -> ModelRunnerOutput:
         logprobs=lists(d.get("logprobs")),
         prompt_logprobs_dict={k: lists(v) for k, v in (d.get("prompt_logprobs_dict") or {}).items()},
         num_nans_in_logits=d.get("num_nans_in_logits"), pooler_output=d.get("pooler_output"),
+        invalid_block_ids=(d.get("kv_connector_output") or {}).get("invalid_block_ids"),
     )

@@ -50,6 +50,7 @@ class _Pending:
     prompt_lp: dict
     restore: Callable[[], None]  # rolls the step's request state back
     started: float
+    tier: Any = None  # the step's disk KV tier transfers (kv_tier.TierStep)
 
 
 class ModelRunner:
@@ -80,6 +81,8 @@ class ModelRunner:
         self.batch_guard: Callable[[], AbstractContextManager] | None = None
         self.pooling: Any = None  # PoolingModel: what pooling requests may ask (None: generation only)
         self._pool_parts: dict[int, Any] = {}  # this step's hidden states of pooling rows (pooling.py)
+        self.kv_tier: Any = None  # kv_tier.KVTier: the disk KV tier (--kv-store-dir), else None
+        self._tier_step: Any = None
 
     ahead_hits = property(lambda self: self.overlap.hits)  # decode rows taken from the queued forward
     ahead_misses = property(lambda self: self.overlap.misses)  # rows it computed for nothing
@@ -147,13 +150,17 @@ class ModelRunner:
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
                          state_groups=self.state_groups, num_groups=len(self.groups), pooling=self.pooling)
+        tier = self._tier_prepare(plan, out)
         restore = self._apply(plan)
         try:
+            if tier is not None:
+                self.overlap.clear()  # a queued decode must not run on blocks about to be loaded
+                self.kv_tier.load(self.pool, tier)
             logits, prompt_lp = self._logits(plan.rows)
             if defer_sampling:
                 if logits is not None:
                     mx.async_eval(logits, *self.pool.arrays())
-                self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0)
+                self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0, tier)
                 self.last_stats = StepStats()
                 return None
             result = self._finish(plan.rows, logits, prompt_lp, live=True)
@@ -161,7 +168,20 @@ class ModelRunner:
             restore()
             raise
         self.last_stats.seconds = time.perf_counter() - t0
+        if tier is not None:
+            result.invalid_block_ids = tier.invalid
         return result
+
+    def _tier_prepare(self, plan: StepPlan, out: SchedulerOutput) -> Any:
+        """The disk KV tier's part of the step (kv_tier.py), validated before anything changes."""
+        if self.kv_tier is None:
+            if out.kv_store_load or out.kv_store_save:
+                raise ProtocolError("this worker has no KV store (serve --kv-store-dir)",
+                                    field="kv_store_load" if out.kv_store_load else "kv_store_save")
+            self._tier_step = None
+            return None
+        self._tier_step = self.kv_tier.prepare(plan, out, self.pool)
+        return self._tier_step
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
         """Sample the step `execute_model(defer_sampling=True)` queued, applying vLLM's grammar
@@ -180,6 +200,8 @@ class ModelRunner:
             p.restore()
             raise
         self.last_stats.seconds = time.perf_counter() - p.started
+        if p.tier is not None:
+            result.invalid_block_ids = p.tier.invalid
         return result
 
     def run_rows(self, rows: list[Row]) -> ModelRunnerOutput:
@@ -192,7 +214,7 @@ class ModelRunner:
         the state back (an internal error leaves the worker as before the step)."""
         live = dict(self.requests)
         touched = [(s, s.block_ids, s.num_computed_tokens, s.output_token_ids, len(s.output_token_ids), s.first_token_at,
-                    s.other_block_ids) for s in (row.state for row in plan.rows)]
+                    s.other_block_ids) for s in [row.state for row in plan.rows] + [s for s, _ in plan.rewinds]]
 
         def restore() -> None:
             self.overlap.clear()
@@ -267,6 +289,9 @@ class ModelRunner:
         # Computed with the logits already; evaluated, no task of the step holds a pool buffer.
         if pool:
             mx.eval(pool)
+        if live and self._tier_step is not None:  # before the next decode is queued on the pool
+            self.kv_tier.save(self.pool, self._tier_step)
+            self._tier_step = None
         if live:
             drafted = self._propose(rows, res, verified)
             # A row that verified drafts decodes its last token next, after the accepted ones.

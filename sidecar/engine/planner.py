@@ -270,4 +270,6 @@ def apply(requests: dict[str, RequestState], plan: StepPlan) -> None:
             state.output_token_ids = list(outputs)
     for row in plan.rows:
         row.state.num_computed_tokens = row.end
+    for state, computed in plan.rewinds:
+        state.num_computed_tokens = computed
 

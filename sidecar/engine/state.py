@@ -75,3 +75,5 @@ class StepPlan:
     rows: list[Row]
     preempted: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # rows taken out after planning (a failed disk-tier load): their computed tokens end here
+    rewinds: list[tuple[RequestState, int]] = field(default_factory=list)

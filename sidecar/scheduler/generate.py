@@ -100,7 +100,9 @@ def generate_cli(args: argparse.Namespace) -> int:
         tok = load_tokenizer(args.model or model["path"])
         sched = Scheduler(num_blocks=info["num_blocks"], block_size=info["block_size"],
                           eos_token_ids=model["eos_token_ids"], max_model_len=info.get("max_model_len") or 0,
-                          enable_prefix_caching=prefix_caching_offered(info.get("kv_cache_spec")))
+                          enable_prefix_caching=prefix_caching_offered(info.get("kv_cache_spec")),
+                          kv_store_lookup=worker.kv_store_lookup if (info.get("kv_store") or {}).get("refused", 1) is None
+                          else None)  # a server with a usable --kv-store-dir: prompts load and save through it
         sampling: dict = {"temperature": args.temperature}
         if args.seed is not None:
             sampling["seed"] = args.seed

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from sidecar.scheduler.blocks import BlockManager
+from sidecar.scheduler.kv_store import Lookup, StoreTier, full_block_hashes
 
 
 class Status(str, Enum):
@@ -108,7 +109,7 @@ class Scheduler:
     def __init__(
         self, *, num_blocks: int, block_size: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
         eos_token_ids: Sequence[int] = (), enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-        max_model_len: int = 0,
+        max_model_len: int = 0, kv_store_lookup: Lookup | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or long_prefill_token_threshold < 0:
             raise ValueError("need max_num_seqs >= 1, max_num_batched_tokens >= 1, long_prefill_token_threshold >= 0")
@@ -124,6 +125,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # new and preempted requests, FCFS
         self.running: list[Request] = []  # in admission order; preemption takes from the end
         self._finished_ids: list[str] = []  # finished or aborted since the last step, known to the worker
+        # the worker's disk KV tier (kv_store.py): its kv_store_lookup, e.g. RemoteWorker.kv_store_lookup
+        self.store = StoreTier(kv_store_lookup, block_size) if kv_store_lookup and enable_prefix_caching else None
 
     def add_request(self, req: Request) -> None:
         if req.req_id in self.requests:
@@ -206,11 +209,17 @@ class Scheduler:
             # Hidden states are not cached: only last-token pooling may skip a cached prefix.
             pooled_all = req.pooling_params is not None and req.pooling_params.get("pooling_type") != "LAST"
             hits = [] if pooled_all else self.blocks.cached_prefix(req)
-            num_computed = len(hits) * self.block_size
+            stored = 0
+            if self.store is not None and not pooled_all:
+                hashes = full_block_hashes(req, (req.num_tokens - 1) // self.block_size, self.block_size)
+                stored = self.store.match(req, hashes, len(hits))
+            num_computed = (len(hits) + stored) * self.block_size
             n = self._num_new_tokens(req, budget, num_computed)
             if not self.blocks.allocate(req, num_computed + n, hits):
                 break
             self.waiting.popleft()
+            if self.store is not None:
+                self.store.admitted(req, len(hits), stored)
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -251,6 +260,7 @@ class Scheduler:
             "num_common_prefix_blocks": [0],
             "finished_req_ids": finished,
             "preempted_req_ids": preempted,
+            **(self.store.fields(self.requests, num_scheduled, spec) if self.store is not None else {}),
         }
 
     def update_from_output(self, scheduler_output: dict, model_runner_output: dict) -> list[Event]:
@@ -259,10 +269,12 @@ class Scheduler:
         pooled = model_runner_output.get("pooler_output") or [None] * len(sampled)
         spec = scheduler_output.get("scheduled_spec_decode_tokens") or {}
         events: list[Event] = []
-        for req_id, n in scheduler_output["num_scheduled_tokens"].items():
+        nst = scheduler_output["num_scheduled_tokens"]
+        failed = StoreTier.rewinds(self.requests, nst, model_runner_output, self.block_size) if self.store else ()
+        for req_id, n in nst.items():
             req = self.requests.get(req_id)
-            if req is None or req.status is not Status.RUNNING:
-                continue  # aborted after this step was scheduled
+            if req is None or req.status is not Status.RUNNING or req_id in failed:
+                continue  # aborted after this step was scheduled, or its store load failed (recomputed)
             k = len(spec.get(req_id, ()))
             req.num_computed_tokens += n - k
             new = list(sampled[index[req_id]])

@@ -33,6 +33,7 @@ from sidecar.config import Config
 from sidecar.errors import (MethodNotAllowed, SidecarError, StartupError, Unavailable,
                             UnknownMethod, UnsupportedMediaType)
 from sidecar.wire.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body
+from sidecar.server import kv_store
 from sidecar.server.httpio import encode_reply
 from sidecar.server.httpio import media_type as _media_type
 from sidecar.server.httpio import BodyBudget
@@ -203,6 +204,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             "draining": sc.draining, "instance_id": sc.instance.id, "started_at": sc.instance.started_at,
             "starting": sc.startup.stage,
             "speculative_method": sc.worker.config.spec_method,  # drafts from take_draft_token_ids unless "none"
+            "kv_store": kv_store.info(snap.kv_tier),
         })
 
     async def metrics(request: Request) -> Response:

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from sidecar import __version__
 from sidecar.kv.spec import spec_wire
 from sidecar.engine.model_runner import StepStats
+from sidecar.server import kv_store
 from sidecar.server.instance import Instance
 from sidecar.worker.mlx_worker import MLXWorker, State, device_memory_bytes
 
@@ -64,6 +65,7 @@ class Snapshot:
     # and live requests by --max-live-requests), so a scrape is O(1) whatever the worker holds.
     blocks_used: int = 0
     running_requests: int = 0
+    kv_tier: Any = None  # the disk KV tier (engine/kv_tier.py): its counters are ints, read atomically
 
     @classmethod
     def of(cls, w: MLXWorker) -> Snapshot:
@@ -89,14 +91,15 @@ class Snapshot:
         )
 
     @staticmethod
-    def usage(w: MLXWorker) -> dict[str, int]:
+    def usage(w: MLXWorker) -> dict[str, Any]:
         """The fields a step changes."""
         runner = w.runner
+        tier = getattr(runner, "kv_tier", None)
         if runner is None or not runner.pool:
-            return {"blocks_used": 0, "running_requests": 0}
+            return {"blocks_used": 0, "running_requests": 0, "kv_tier": tier}
         reqs = runner.requests
         return {"blocks_used": len(set().union(*(t for r in reqs.values() for t in [r.block_ids, *r.other_block_ids]))),
-                "running_requests": len(reqs)}
+                "running_requests": len(reqs), "kv_tier": tier}
 
     @staticmethod
     def static_key(w: MLXWorker) -> tuple:
@@ -165,6 +168,7 @@ class WorkerCollector(Collector):
                                    "(per step of a decode stream: the round trip it did not overlap)")
         idle.add_metric([], m.thread.idle_seconds if m.thread is not None else 0.0)
         yield idle
+        yield from kv_store.families(snap.kv_tier, p)
         yield gauge("spec_decode_acceptance_ratio", "Speculative decoding: accepted / verified draft tokens since start "
                     "(0 before any)", m.spec_accepted / m.spec_drafts if m.spec_drafts else 0.0)
 

@@ -146,13 +146,26 @@ class MLXSidecarWorker(WorkerBase):
     def execute_model(self, scheduler_output: Any) -> Any:
         self._load_loras(scheduler_output)
         wire = convert.scheduler_output(scheduler_output, self.model_config.pooler_config)
+        meta = getattr(scheduler_output, "kv_connector_metadata", None)
+        if hasattr(meta, "step_fields"):  # the disk KV tier's loads and saves (sidecar.vllm.kv_connector)
+            wire.update(meta.step_fields())
         if scheduler_output.has_structured_output_requests:
             self._call("execute_model", scheduler_output=wire, defer_sampling=True, step_id=self._step_id)
             self._deferred = True
             return None
         out = self._call("execute_model", scheduler_output=wire, step_id=self._step_id)
         self._step_id += 1  # only once applied: a rejected step changed nothing and keeps its number
-        return convert.model_runner_output(out)
+        return self._output(out)
+
+    @staticmethod
+    def _output(out: dict) -> Any:
+        result = convert.model_runner_output(out)
+        if out.get("kv_connector_output"):  # a disk-tier load failed: vLLM recomputes these blocks
+            from vllm.v1.outputs import KVConnectorOutput
+
+            result.kv_connector_output = KVConnectorOutput(
+                invalid_block_ids=set(out["kv_connector_output"].get("invalid_block_ids") or ()))
+        return result
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         if not self._deferred:
@@ -160,7 +173,7 @@ class MLXSidecarWorker(WorkerBase):
         out = self._call("sample_tokens", grammar_output=convert.grammar_output(grammar_output), step_id=self._step_id)
         self._deferred = False
         self._step_id += 1
-        return convert.model_runner_output(out)
+        return self._output(out)
 
     def take_draft_token_ids(self) -> Any:
         try:
@@ -175,6 +188,9 @@ class MLXSidecarWorker(WorkerBase):
 
     def check_health(self) -> None:
         self._call("check_health")
+
+    def get_kv_connector_handshake_metadata(self) -> None:
+        return None  # the store connector exchanges nothing between workers
 
     # --- LoRA (adapter paths are resolved under the sidecar's --lora-dir) -----------------------
 

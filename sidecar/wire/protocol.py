@@ -13,6 +13,7 @@ from typing import Any, Callable
 from sidecar.errors import ProtocolError
 from sidecar.wire.pooling_params import PoolingParams
 from sidecar.wire.sampling_params import SamplingParams
+from sidecar.wire import kv_store
 
 # The codecs live in wire/codec.py (no MLX); re-exported for the callers that import them from here.
 from sidecar.wire.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
@@ -135,6 +136,9 @@ class SchedulerOutput:
     kv_cache_block_copies: list[tuple[int, int]] = field(default_factory=list)
     # {req_id: [draft token ids]}: verified in this step (engine/spec_decode.py)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # disk KV tier (wire/kv_store.py): stored blocks to load before the forward, blocks to save after
+    kv_store_load: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
+    kv_store_save: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -159,6 +163,8 @@ class SchedulerOutput:
             kv_cache_block_copies=list_of(get(d, "kv_cache_block_copies", list, default=[]), "kv_cache_block_copies",
                                           _block_copy),
             scheduled_spec_decode_tokens=_spec_tokens(get(d, "scheduled_spec_decode_tokens", dict, default={})),
+            kv_store_load=kv_store.transfers(d, kv_store.LOAD),
+            kv_store_save=kv_store.transfers(d, kv_store.SAVE),
         )
 
 
@@ -296,6 +302,7 @@ class ModelRunnerOutput:
     # Per request: its pooled result (a vector, or one per prompt token) in the step computing its
     # last prompt token, else None; None as a whole when the step has no pooling request.
     pooler_output: list[list[float] | list[list[float]] | None] | None = None
+    invalid_block_ids: list[int] | None = None  # disk KV tier: blocks whose load failed (vLLM's name)
 
     def to_wire(self) -> dict:
         # By hand: dataclasses.asdict deep-copies every leaf, a measurable cost per step.
@@ -315,6 +322,8 @@ class ModelRunnerOutput:
         }
         if self.pooler_output is not None:
             out["pooler_output"] = self.pooler_output
+        if self.invalid_block_ids is not None:  # only in steps that loaded from the disk KV tier
+            out["kv_connector_output"] = {"invalid_block_ids": self.invalid_block_ids}
         return out
 
 

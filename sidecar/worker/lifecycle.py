@@ -48,6 +48,7 @@ ALLOWED: dict[str, tuple[set[State], str]] = {
     "remove_lora": (_LOADED, "call load_model first"),
     "pin_lora": (_LOADED, "call load_model first"),
     "list_loras": (_LOADED, "call load_model first"),
+    "kv_store_lookup": (_LOADED, "call load_model first"),
     "profile": (set(State), ""),
 }
 

@@ -159,6 +159,10 @@ class MLXWorker(StateMachine):
                                 field="config.speculative_method")
         self.runner.proposer = proposer_for(self.config, vocab_size=vocab, max_model_len=cap,
                                             layer_specs=self._layer_specs)
+        from sidecar.engine.kv_tier import open_tier
+
+        self.runner.kv_tier = open_tier(self.config.kv_store_dir, self.config.kv_store_max_gb, self.config.model,
+                                        path, caches.specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
         self.state = S.MODEL_LOADED
 
@@ -351,6 +355,15 @@ class MLXWorker(StateMachine):
     def pin_lora(self, lora_id: int) -> bool:
         assert self.runner is not None
         return self.runner.lora.pin(check(lora_id, int, "lora_id"))
+
+    @lifecycle
+    def kv_store_lookup(self, block_hashes: list, lora_request: dict | None = None) -> int:
+        """How many leading blocks of these hashes (the scheduler's chained block hashes) the disk
+        KV tier holds for this model and adapter; 400 (field `kv_store`) without --kv-store-dir."""
+        assert self.runner is not None
+        if self.runner.kv_tier is None:
+            raise ProtocolError("this worker has no KV store (serve --kv-store-dir)", field="kv_store")
+        return self.runner.kv_tier.lookup(block_hashes, lora_request)
 
     @lifecycle
     def list_loras(self) -> list[int]:
