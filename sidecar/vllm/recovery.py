@@ -61,7 +61,10 @@ class Recovering:
         self.deferred: dict | None = None  # execute_model(defer_sampling) kwargs awaiting sample_tokens
         self.fresh: set[str] = set()  # preempted before a restart: the new instance never saw them
         self.recoveries = 0
+        self.last: dict = {}  # the last recovery's durations and refilled tokens
+        self._t_refill = 0.0
         self.broken = False  # the ledger missed a step: recovery would restore a wrong state
+        self.instance: str | None = None  # the instance of the last successful call (a 409's header is the new one)
 
     # --- the call path ----------------------------------------------------------------------
 
@@ -81,6 +84,7 @@ class Recovering:
                     raise SidecarLost(f"{self.where} was lost ({e}) and cannot be recovered: the recovery "
                                       "record missed a step (logged above)") from e
                 self.recover(e)
+        self.instance = self.remote.instance_id
         self._observe(method, kwargs, result)
         return result
 
@@ -158,13 +162,14 @@ class Recovering:
     # --- recovery ---------------------------------------------------------------------------
 
     def recover(self, cause: BaseException) -> None:
-        old = self.remote.instance_id
+        old = self.instance
         deadline = time.monotonic() + self.recover_timeout
         log.warning("%s lost (%s): waiting up to %.0fs for it to come back (mlx_sidecar.recover_timeout)",
                     self.where, cause, self.recover_timeout)
         while True:
             body = self._wait(deadline, cause)
             t0 = time.monotonic()
+            self.remote.instance_id = old
             if body.get("instance_id") == old and self._same_instance_answers():
                 log.warning("%s answers again as the same instance: the call is retried", self.where)
                 return
@@ -176,8 +181,11 @@ class Recovering:
                 cause = e  # lost again while rebuilding: wait again (the rebuild starts over)
                 continue
             self.recoveries += 1
-            log.warning("%s recovered: new instance %s rebuilt in %.2fs, %d tokens refilled (recovery %d)",
-                        self.where, self.remote.instance_id, time.monotonic() - t0, tokens, self.recoveries)
+            self.last = {"rebuild_s": time.monotonic() - t0, "refill_s": time.monotonic() - self._t_refill,
+                         "tokens": tokens}
+            log.warning("%s recovered: new instance %s rebuilt in %.2fs (refill of %d tokens: %.2fs; recovery %d)",
+                        self.where, self.remote.instance_id, self.last["rebuild_s"], tokens, self.last["refill_s"],
+                        self.recoveries)
             return
 
     def _wait(self, deadline: float, cause: BaseException) -> dict:
@@ -229,6 +237,7 @@ class Recovering:
         if self.sleeping is not None:
             self.remote.call("sleep", level=self.sleeping)
             return 0
+        self._t_refill = time.monotonic()
         items = refill_items(self.ledger, self.prefix_cache, set(self.loras))
         tokens = sum(it.total - it.done for it in items)
         for step in refill_steps(items, self.ledger.block_size, self.budget, self.max_seqs):
