@@ -234,10 +234,10 @@ class Recovering:
                                       f"start-up ({method}: {e})") from e
         for lora in self.loras.values():
             self.remote.call("add_lora", lora_request=lora)
+        self._t_refill = time.monotonic()
         if self.sleeping is not None:
             self.remote.call("sleep", level=self.sleeping)
             return 0
-        self._t_refill = time.monotonic()
         items = refill_items(self.ledger, self.prefix_cache, set(self.loras))
         tokens = sum(it.total - it.done for it in items)
         for step in refill_steps(items, self.ledger.block_size, self.budget, self.max_seqs):
