@@ -135,8 +135,9 @@ class Recovering:
             log.exception("%s: the recovery record could not follow this step; a restart of the sidecar "
                           "will fail the engine instead of being recovered", self.where)
             self.broken = True
-        self.fresh -= set(so.get("finished_req_ids") or ())
-        self.fresh -= {r["req_id"] for r in so.get("scheduled_new_reqs") or ()}
+        if self.fresh:  # the instance knows these now
+            self.fresh -= {*(so.get("finished_req_ids") or ()), *(r["req_id"] for r in so.get("scheduled_new_reqs") or ()),
+                           *((so.get("scheduled_cached_reqs") or {}).get("req_ids") or ())}
 
     def _unresume(self, so: dict) -> dict:
         """Resumed requests the current instance never saw, as new requests (same body on a resend)."""
