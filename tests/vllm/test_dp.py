@@ -87,9 +87,12 @@ def test_dp2_over_two_sidecars_spreads_the_load_and_gives_mlx_lms_tokens(home: s
 
 def test_one_url_for_two_ranks_fails_at_start_up_naming_the_setting(home: str, vllm_model_dir, tmp_path) -> None:
     with start_server("--model", MODEL) as s1:
-        with pytest.raises(RuntimeError, match="mlx_sidecar.urls or MLX_SIDECAR_URLS"):
+        with pytest.raises(RuntimeError, match="api_server exited"):
             with api_server(vllm_model_dir(MODEL), {"mlx_sidecar": {"url": s1.url}}, tmp_path / "api.log", *ARGS):
                 pass
+    log = (tmp_path / "api.log").read_text()
+    assert f"data parallel rank 1 needs its own sidecar, but one URL ({s1.url}" in log
+    assert "mlx_sidecar.urls or MLX_SIDECAR_URLS" in log
 
 
 def _try(api, p: list[int]) -> None:
