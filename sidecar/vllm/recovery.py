@@ -26,7 +26,7 @@ from __future__ import annotations
 import http.client
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from sidecar.client.remote import RemoteError, RemoteWorker
 from sidecar.vllm.ledger import Ledger, refill_items, refill_steps
@@ -50,10 +50,12 @@ def is_lost(e: BaseException) -> bool:
 
 class Recovering:
     def __init__(self, remote: RemoteWorker, *, where: str, recover_timeout: float, block_size: int,
-                 budget: int, max_seqs: int, prefix_cache: bool):
+                 budget: int, max_seqs: int, prefix_cache: bool,
+                 bring_up: Callable[[RemoteWorker], None] | None = None):
         self.remote, self.where, self.recover_timeout = remote, where, recover_timeout
         self.budget, self.max_seqs, self.prefix_cache = budget, max_seqs, prefix_cache
         self.ledger = Ledger(block_size)
+        self.bring_up = bring_up  # a scheduler's own start-up, instead of replaying the recorded calls
         self.start_up: dict[str, dict] = {}  # method -> kwargs, in the order vLLM called them
         self.model: dict | None = None
         self.loras: dict[int, dict] = {}
@@ -65,6 +67,13 @@ class Recovering:
         self._t_refill = 0.0
         self.broken = False  # the ledger missed a step: recovery would restore a wrong state
         self.instance: str | None = None  # the instance of the last successful call (a 409's header is the new one)
+
+    def adopt(self, num_blocks: int) -> None:
+        """A worker brought up outside `call` (a preloaded server, a scheduler's own lifecycle calls):
+        a new instance must serve its model with `num_blocks` blocks; `bring_up` starts it up."""
+        self.model = self.remote.call("get_model")
+        self.instance = self.remote.instance_id
+        self.start_up = {"initialize_cache": {"num_gpu_blocks": num_blocks, "num_cpu_blocks": 0}}
 
     # --- the call path ----------------------------------------------------------------------
 
@@ -83,7 +92,8 @@ class Recovering:
                 if self.broken:
                     raise SidecarLost(f"{self.where} was lost ({e}) and cannot be recovered: the recovery "
                                       "record missed a step (logged above)") from e
-                self.recover(e)
+                if not self.recover(e) and method == "execute_model" and kwargs.get("step_id") is None:
+                    raise  # the same instance, an unnumbered step: it may have run, a resend could run it twice
         self.instance = self.remote.instance_id
         self._observe(method, kwargs, result)
         return result
@@ -162,7 +172,8 @@ class Recovering:
 
     # --- recovery ---------------------------------------------------------------------------
 
-    def recover(self, cause: BaseException) -> None:
+    def recover(self, cause: BaseException) -> bool:
+        """Wait for the sidecar; True when a new instance was rebuilt, False when the same one answers again."""
         old = self.instance
         deadline = time.monotonic() + self.recover_timeout
         log.warning("%s lost (%s): waiting up to %.0fs for it to come back (mlx_sidecar.recover_timeout)",
@@ -173,7 +184,7 @@ class Recovering:
             self.remote.instance_id = old
             if body.get("instance_id") == old and self._same_instance_answers():
                 log.warning("%s answers again as the same instance: the call is retried", self.where)
-                return
+                return False
             try:
                 tokens = self._rebuild()
             except Exception as e:
@@ -187,7 +198,7 @@ class Recovering:
             log.warning("%s recovered: new instance %s rebuilt in %.2fs (refill of %d tokens: %.2fs; recovery %d)",
                         self.where, self.remote.instance_id, self.last["rebuild_s"], tokens, self.last["refill_s"],
                         self.recoveries)
-            return
+            return True
 
     def _wait(self, deadline: float, cause: BaseException) -> dict:
         """/readyz of a server that is up (not starting a preload, not draining)."""
@@ -216,8 +227,11 @@ class Recovering:
     def _rebuild(self) -> int:
         self.remote.close()
         self.remote.instance_id = None  # pin the new instance from its first reply
-        self.remote.call("init_device", **self.start_up["init_device"])
-        self.remote.call("load_model")
+        if self.bring_up is not None:
+            self.bring_up(self.remote)
+        else:
+            self.remote.call("init_device", **self.start_up["init_device"])
+            self.remote.call("load_model")
         model = self.remote.call("get_model")
         theirs = {k: model.get(k) for k in MODEL_KEYS}
         ours = {k: (self.model or {}).get(k) for k in MODEL_KEYS}
