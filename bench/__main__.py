@@ -18,6 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help='a comma-separated subset of the stages, e.g. "tiny single stream,long context"')
     parser.add_argument("--scale-out", action="store_true",
                         help="only the scale-out scenario: 1 rank vs TP=2 / PP=2 over loopback")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="only vLLM data parallel: DP=2 over two sidecars vs DP=1 (needs .venv-vllm)")
+    parser.add_argument("--recovery", action="store_true",
+                        help="only the sidecar-restart recovery: /healthz to first token vs a cold prefill")
     return parser
 
 
@@ -31,6 +35,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.group import group_bench_cli
 
         return group_bench_cli(args.home, args.quick, args.json_path)
+    if args.data_parallel:
+        from bench.dp import dp_bench_cli
+
+        return dp_bench_cli(args.home, args.quick, args.json_path)
+    if args.recovery:
+        from bench.recovery import recovery_bench_cli
+
+        return recovery_bench_cli(args.home, args.quick, args.json_path)
     from bench.run import bench_cli
 
     return bench_cli(args)

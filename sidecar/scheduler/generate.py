@@ -8,6 +8,7 @@ itself up (`serve --preload`) is waited for instead, never raced.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from sidecar.client.pipeline import Pipeline
 from sidecar.scheduler.chat import prompt_ids
 from sidecar.scheduler.pipelined import run_pipelined
 from sidecar.scheduler.scheduler import Event, Request, Scheduler, prefix_caching_offered, run
+from sidecar.vllm.recovery import Recovering, SidecarLost
 
 
 def wait_and_bring_up(worker: RemoteWorker, say: Callable[[str], None], max_blocks: int = 8192) -> None:
@@ -92,9 +94,13 @@ def draft_source(args: argparse.Namespace, info: dict, worker: RemoteWorker,
 def generate_cli(args: argparse.Namespace) -> int:
     token = (Path(args.auth_token_file).read_text().strip() if args.auth_token_file
              else os.environ.get("MLX_SIDECAR_AUTH_TOKEN", "").strip() or None)
-    worker = RemoteWorker(args.url, token=token)
+    worker = RemoteWorker(args.url, token=token, pin_instance=True)
+
+    def say(line: str) -> None:
+        print(f"mlx-sidecar generate: {line}", file=sys.stderr, flush=True)
+
     try:
-        wait_and_bring_up(worker, lambda line: print(f"mlx-sidecar generate: {line}", file=sys.stderr, flush=True))
+        wait_and_bring_up(worker, say)
         info = worker.info()
         model = worker.get_model()
         tok = load_tokenizer(args.model or model["path"])
@@ -117,15 +123,25 @@ def generate_cli(args: argparse.Namespace) -> int:
             finally:
                 pipe.close()
         else:
-            run(sched, lambda so: worker.call("execute_model", scheduler_output=so), on_event=printer,
-                take_draft_token_ids=draft_source(args, info, worker, sched))
+            # A server restarted under the run (a crash, a service manager) is waited for and
+            # brought back to this run's state (sidecar/vllm/recovery.py): the text is unchanged.
+            rec = Recovering(worker, where=f"MLX sidecar at {args.url}", block_size=info["block_size"],
+                             recover_timeout=float(os.environ.get("MLX_SIDECAR_RECOVER_TIMEOUT", 120)),
+                             budget=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs,
+                             prefix_cache=sched.blocks.enable_prefix_caching, bring_up=lambda w: wait_and_bring_up(w, say))
+            rec.adopt(info["num_blocks"])
+            # Numbered steps (a lost reply is resent, never run twice); the first one unnumbered: it
+            # ends whatever numbered sequence an earlier client left on the server.
+            steps = itertools.chain([None], itertools.count(1))
+            run(sched, lambda so: rec.call("execute_model", scheduler_output=so, step_id=next(steps)),
+                on_event=printer, take_draft_token_ids=draft_source(args, info, worker, sched))
         sys.stdout.write("\n")
         if args.speculative != "none":
             rate = sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0
             print(f"speculative: {sched.num_accepted_tokens}/{sched.num_draft_tokens} drafts accepted ({rate:.0%})",
                   file=sys.stderr)
         return 0
-    except (RemoteError, OSError, ValueError) as e:  # ValueError: --chat without a template, a bad template
+    except (RemoteError, OSError, ValueError, SidecarLost) as e:  # ValueError: --chat without a template, a bad template
         print(f"mlx-sidecar generate: {e}", file=sys.stderr)
         return 1
     finally:

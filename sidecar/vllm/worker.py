@@ -26,23 +26,26 @@ import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from sidecar.client.remote import RemoteError, RemoteWorker
-from sidecar.vllm import convert
+from sidecar.vllm import convert, dp
 from sidecar.vllm.convert import Unsupported
+from sidecar.vllm.recovery import Recovering
 
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+KNOWN_KEYS = ("url", "urls", "auth_token", "auth_token_file", "timeout", "recover_timeout")
 
 
-def sidecar_settings(additional_config: Any) -> dict:
-    """url, auth_token and timeout: --additional-config's "mlx_sidecar" map first, then the environment."""
+def sidecar_settings(additional_config: Any, dp_rank: int = 0) -> dict:
+    """url, auth_token and timeout: --additional-config's "mlx_sidecar" map first, then the environment.
+    Data parallel: rank `dp_rank` takes its own sidecar from "urls" / MLX_SIDECAR_URLS (sidecar/vllm/dp.py)."""
     cfg = additional_config.get("mlx_sidecar", {}) if isinstance(additional_config, dict) else {}
     if not isinstance(cfg, dict):
         raise Unsupported('--additional-config "mlx_sidecar" must be a map, e.g. {"url": "http://mac:8000"}')
-    unknown = set(cfg) - {"url", "auth_token", "auth_token_file", "timeout"}
+    unknown = set(cfg) - set(KNOWN_KEYS)
     if unknown:
         raise Unsupported(f'unknown --additional-config mlx_sidecar key {sorted(unknown)[0]!r} '
-                          '(known: url, auth_token, auth_token_file, timeout)')
+                          f'(known: {", ".join(KNOWN_KEYS)})')
     token = None
     for value, from_file in ((cfg.get("auth_token"), False), (cfg.get("auth_token_file"), True),
                              (os.environ.get("MLX_SIDECAR_AUTH_TOKEN"), False),
@@ -53,8 +56,9 @@ def sidecar_settings(additional_config: Any) -> dict:
                     value = f.read().strip()
             token = value
             break
-    return {"url": cfg.get("url") or os.environ.get("MLX_SIDECAR_URL") or DEFAULT_URL, "token": token or None,
-            "timeout": float(cfg.get("timeout") or os.environ.get("MLX_SIDECAR_TIMEOUT") or 600)}
+    return {"url": dp.rank_url(cfg, dp_rank, DEFAULT_URL), "token": token or None,
+            "timeout": float(cfg.get("timeout") or os.environ.get("MLX_SIDECAR_TIMEOUT") or 600),
+            "recover_timeout": float(cfg.get("recover_timeout", os.environ.get("MLX_SIDECAR_RECOVER_TIMEOUT", 120)))}
 
 
 class MLXSidecarWorker(WorkerBase):
@@ -64,15 +68,23 @@ class MLXSidecarWorker(WorkerBase):
         if vllm_config.parallel_config.world_size != 1:
             raise Unsupported("the MLX sidecar is one worker: use tensor/pipeline parallel size 1 "
                               "(scale-out happens inside the sidecar, with mx.distributed)")
-        s = sidecar_settings(vllm_config.additional_config)
+        dp.check_parallel(vllm_config.parallel_config)
+        self.dp_rank = dp.dp_rank(vllm_config.parallel_config)
+        s = sidecar_settings(vllm_config.additional_config, self.dp_rank)
         # pin_instance: a sidecar that restarted under us answers 409 instead of acting on a fresh state.
         self.remote = RemoteWorker(s["url"], token=s["token"], timeout=s["timeout"], pin_instance=True)
+        # Every call goes through it: a restarted sidecar is waited for and rebuilt (sidecar/vllm/recovery.py).
+        cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
+        where = f"MLX sidecar at {s['url']}" + (f" (data parallel rank {self.dp_rank})" if self.dp_rank else "")
+        self.sidecar = Recovering(self.remote, where=where, recover_timeout=s["recover_timeout"],
+                                  block_size=cc.block_size, budget=sc.max_num_batched_tokens,
+                                  max_seqs=sc.max_num_seqs, prefix_cache=bool(cc.enable_prefix_caching))
         self._loras: set[int] = set()
         self._deferred = False
         self._step_id = 1  # exactly-once steps: a step whose reply was lost is resent with its number
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        return self.remote.call(method, **kwargs)
+        return self.sidecar.call(method, **kwargs)
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -184,7 +196,7 @@ class MLXSidecarWorker(WorkerBase):
             raise
 
     def execute_dummy_batch(self) -> None:
-        raise Unsupported("execute_dummy_batch (data parallel) is not supported by the MLX sidecar")
+        pass  # an idle data parallel rank: no collective to join (sidecar/vllm/dp.py)
 
     def check_health(self) -> None:
         self._call("check_health")

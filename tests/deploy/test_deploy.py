@@ -369,7 +369,8 @@ def run_promtool(*args: str, cwd: Path = PROM) -> subprocess.CompletedProcess[st
 
 @pytest.mark.parametrize(
     "args",
-    [("check", "config", "prometheus.yml"), ("check", "rules", "alerts.yml"), ("test", "rules", "alerts_test.yml")],
+    [("check", "config", "prometheus.yml"), ("check", "config", "prometheus-replicas.yml"),
+     ("check", "rules", "alerts.yml"), ("test", "rules", "alerts_test.yml")],
     ids=" ".join,
 )
 def test_promtool(args: tuple[str, ...]) -> None:
@@ -439,8 +440,10 @@ def test_promtool_rejects_broken_rules(rules: str, tmp_path: Path) -> None:
         ("and mlx_worker_memory_limit_bytes > 0", ""),  # a limit of 0 (ratio +Inf) would alert
         ("\n          ) > 2\n", "\n          ) > 5\n"),  # p99 threshold
         ('up{job="mlx-sidecar"} == 0', "up == 0"),  # other jobs' targets would alert
+        ('up{job="mlx-sidecar-replicas"} == 0', "up == 0"),  # the single-sidecar job would alert as a replica
     ],
-    ids=["no-sleep-exclusion", "kv-threshold", "no-zero-limit-guard", "p99-threshold", "down-any-job"],
+    ids=["no-sleep-exclusion", "kv-threshold", "no-zero-limit-guard", "p99-threshold", "down-any-job",
+         "replica-any-job"],
 )
 def test_alert_unit_tests_catch_regressions(old: str, new: str, tmp_path: Path) -> None:
     """Mutants of alerts.yml must fail alerts_test.yml: the unit tests really discriminate."""

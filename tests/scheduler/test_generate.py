@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
 from sidecar.models import resolve_model
 from sidecar.scheduler.generate import load_tokenizer
 from tests.conftest import mlx_lm_greedy
-from tests.server.serverproc import start_server
+from tests.server.serverproc import free_port, start_server
 
 
 def _generate(*argv: str) -> str:
@@ -70,3 +71,25 @@ def test_generate_with_ngram_speculation_prints_the_same_text(home: str, oracle_
         accepted = m[("mlx_worker_spec_decode_accepted_tokens_total", ())]
         assert 0 < accepted <= drafted
         assert m[("mlx_worker_spec_decode_acceptance_ratio", ())] == accepted / drafted
+
+
+def test_generate_survives_a_server_killed_and_restarted_mid_run(home: str) -> None:
+    """kill -9 of the server while `generate` streams, a new one on the same port (as launchd
+    would): the run waits, rebuilds the new server's state and prints the undisturbed text."""
+    flags = ("--port", str(free_port()), "--preload", "--max-num-batched-tokens", "64", "--max-num-seqs", "4")
+    argv = ["--max-tokens", "300", "--no-chat", "The lighthouse keeper"]
+    server = start_server(*flags)
+    try:
+        want = _generate("--url", server.url, *argv)
+        assert len(want) > 200  # long enough to be killed in the middle (greedy: always the same)
+        proc = subprocess.Popen([sys.executable, "-m", "sidecar", "generate", "--url", server.url, *argv],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = proc.stdout.read(8)  # it is streaming
+        server.stop(signal.SIGKILL)
+        server = start_server(*flags)
+        rest, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert "recovered: new instance" in err
+        assert first + rest == want
+    finally:
+        server.stop()
