@@ -23,6 +23,7 @@ from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
 from sidecar.engine import prefill_split
 from sidecar.engine.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.engine.lora import LoRAManager
+from sidecar.engine.multimodal import Multimodal, refuse_images
 from sidecar.kv.batch_caches import build_caches, read_bounded, read_limit, step_batches
 from sidecar.kv.pool import KVPool, LayerSpec
 from sidecar.kv.spec import STATE, ModelCaches
@@ -79,6 +80,7 @@ class ModelRunner:
         # The hook for distributed groups: when set, each padded batch of `forward` runs inside this
         # context and is evaluated before the next is built (distributed/shard.py).
         self.batch_guard: Callable[[], AbstractContextManager] | None = None
+        self.mm: Multimodal | None = None  # a vision-language model's images (engine/multimodal.py)
 
     ahead_hits = property(lambda self: self.overlap.hits)  # decode rows taken from the queued forward
     ahead_misses = property(lambda self: self.overlap.misses)  # rows it computed for nothing
@@ -143,11 +145,14 @@ class ModelRunner:
         if self._pending is not None:
             raise StateError("execute_model: the previous step waits for sample_tokens; call sample_tokens first")
         t0 = time.perf_counter()
+        mm_plan = self.mm.plan(out, self.requests) if self.mm else refuse_images(out, type(self.model).__module__)
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
                          state_groups=self.state_groups, num_groups=len(self.groups))
         restore = self._apply(plan)
         try:
+            if self.mm is not None:
+                self.mm.apply(mm_plan)
             logits, prompt_lp = self._logits(plan.rows)
             if defer_sampling:
                 if logits is not None:
@@ -313,6 +318,8 @@ class ModelRunner:
         # Every position selected (a batch of decodes): no gather.
         index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
         caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths)
+        if self.mm is not None:
+            self.mm.bind(rows, ids)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from sidecar.errors import ProtocolError
 from sidecar.wire.sampling_params import SamplingParams
+from sidecar.wire import multimodal
 
 # The codecs live in wire/codec.py (no MLX); re-exported for the callers that import them from here.
 from sidecar.wire.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
@@ -109,6 +110,7 @@ class NewRequestData:
     # v2: vLLM's model runner V2 resumes a preempted request as a new one carrying every known
     # token (prompt + outputs so far); its state replaces the old one of the same id.
     prefill_token_ids: list[int] | None = None
+    mm_features: list[multimodal.MMFeature] = field(default_factory=list)  # images (wire/multimodal.py)
 
 
 @dataclass
@@ -133,6 +135,8 @@ class SchedulerOutput:
     kv_cache_block_copies: list[tuple[int, int]] = field(default_factory=list)
     # {req_id: [draft token ids]}: verified in this step (engine/spec_decode.py)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # which requests' multimodal items to encode this step, and which encoder outputs to drop
+    encoder: multimodal.EncoderInstructions = field(default_factory=multimodal.EncoderInstructions)
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -157,6 +161,7 @@ class SchedulerOutput:
             kv_cache_block_copies=list_of(get(d, "kv_cache_block_copies", list, default=[]), "kv_cache_block_copies",
                                           _block_copy),
             scheduled_spec_decode_tokens=_spec_tokens(get(d, "scheduled_spec_decode_tokens", dict, default={})),
+            encoder=multimodal.encoder_instructions(d),
         )
 
 
@@ -203,6 +208,7 @@ def _new_request(d: Any, path: str, vocab_size: int, max_logprobs: int) -> NewRe
         num_computed_tokens=get(d, "num_computed_tokens", int, path, default=0),
         lora_request=lora,
         prefill_token_ids=_prefill_tokens(d, path, prompt),
+        mm_features=multimodal.features(d.get("mm_features"), _join(path, "mm_features"), len(prompt)),
     )
 
 

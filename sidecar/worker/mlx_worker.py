@@ -115,12 +115,14 @@ class MLXWorker(StateMachine):
 
         from sidecar.models import ModelNotFound, resolve_model
         from sidecar.models.importable import check_importable
+        from sidecar.models.vision import is_served, load_vision
         from sidecar.kv.spec import UnsupportedModel
 
         try:  # what fails here is the model directory the operator configured: 4xx, and no paths
             path = resolve_model(self.config.model, self.config.home)
             check_importable(path)  # 400 (field model) naming a package mlx-lm's module needs
-            model, config = load_model(path, lazy=self.lazy_load)
+            vision = is_served(path)  # images through mlx-vlm's model code (models/vision.py)
+            model, config = load_vision(path) if vision else load_model(path, lazy=self.lazy_load)
             self.model, self.model_config, self.model_path = model, config, path
             vocab, eos = vocab_size(config), eos_ids(config, path)
         except UnsupportedModel:
@@ -143,6 +145,10 @@ class MLXWorker(StateMachine):
             lora_dir=self.config.lora_dir, max_loras=self.config.max_loras, decode_ahead=self.config.decode_ahead,
             caches=caches,
         )
+        if vision:
+            from sidecar.engine.multimodal import Multimodal
+
+            self.runner.mm = Multimodal(model)
         try:
             probe_batched(self.runner)
         except BaseException:

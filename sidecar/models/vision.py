@@ -1,0 +1,124 @@
+"""Vision-language checkpoints through mlx-vlm's own model code.
+
+`load_vision` loads a served family with mlx-vlm and wraps it as the runner's model: called like
+an mlx-lm model (`model(tokens, cache=...)`), with the input embeddings and positions of the next
+call set beforehand by engine/multimodal.py (`bind`): image rows replaced by the vision encoder's
+output, and Qwen2-VL's M-RoPE positions as mlx-vlm's `get_rope_index` computes them. Checkpoints of
+other multimodal families keep being served as text-only models through mlx-lm; a request with an
+image for them is refused naming the family.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from sidecar.errors import ProtocolError
+
+# mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
+SERVED = ("qwen2_vl",)
+
+
+def vision_available() -> bool:
+    try:
+        import mlx_vlm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def model_type(path: Path) -> str | None:
+    """The checkpoint's model_type when it is a vision-language one (has a vision_config), else None."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config.get("vision_config"), dict) else None
+
+
+def is_served(path: Path) -> bool:
+    return model_type(path) in SERVED and vision_available()
+
+
+def load_vision(path: Path) -> tuple[VisionLanguageModel, dict]:
+    from mlx_vlm.utils import load_model
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return VisionLanguageModel(load_model(Path(path)), config), config
+
+
+class VisionLanguageModel(nn.Module):
+    """mlx-vlm's model as the runner sees a text model; its vision tower runs through `encode`."""
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__()
+        self.language_model = vlm.language_model  # logits_at selects rows inside its decoder
+        self.vision_tower = vlm.vision_tower
+        self.family = config["model_type"]
+        self.image_token_id = int(vlm.config.image_token_id)
+        self.merge = int(vlm.config.vision_config.spatial_merge_size)
+        vc = vlm.config.vision_config
+        self.patch_width = int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
+        self.mrope = True
+        object.__setattr__(self, "_next", None)  # (embeddings, positions) of the next call, from bind
+
+    @property
+    def layers(self) -> list:
+        return self.language_model.model.layers
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.language_model.model.embed_tokens(ids)
+
+    def bind(self, embeds: mx.array | None, positions: mx.array | None) -> None:
+        object.__setattr__(self, "_next", (embeds, positions))
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        embeds, positions = self._next or (None, None)
+        object.__setattr__(self, "_next", None)
+        if positions is None:  # text from the cache's offset on (the load-time probe)
+            off = cache[0].offset if cache and isinstance(cache[0].offset, int) else 0
+            B, L = inputs.shape
+            positions = mx.broadcast_to(mx.arange(off, off + L)[None, None], (3, B, L))
+        out = self.language_model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions)
+        return out.logits
+
+    # --- the family's own rules -------------------------------------------------------------
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str) -> None:
+        """The tensors of one image item are what this family's encoder takes."""
+        pv, grid = data.get("pixel_values"), data.get("image_grid_thw")
+        if pv is None or grid is None:
+            raise ProtocolError(f"{self.family} takes pixel_values and image_grid_thw", field=f"{path}.data")
+        if grid.dtype.kind not in "iu" or grid.size != 3 or (grid.reshape(-1) < 1).any():
+            raise ProtocolError("expected 3 positive integers (t, h, w)", field=f"{path}.data.image_grid_thw")
+        t, h, w = (int(x) for x in grid.reshape(-1))
+        if h % self.merge or w % self.merge:
+            raise ProtocolError(f"h and w must be multiples of the merge size {self.merge}",
+                                field=f"{path}.data.image_grid_thw")
+        if pv.dtype.kind != "f" or pv.shape != (t * h * w, self.patch_width):
+            raise ProtocolError(f"expected a float array of shape [{t * h * w}, {self.patch_width}] for grid "
+                                f"{[t, h, w]}, got {pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
+        if t * h * w // self.merge ** 2 != num_embeds:
+            raise ProtocolError(f"grid {[t, h, w]} gives {t * h * w // self.merge ** 2} embeddings, the placeholder "
+                                f"takes {num_embeds}", field=f"{path}.mm_position")
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        """One item's encoder output, [embeddings, hidden]."""
+        dtype = self.vision_tower.patch_embed.proj.weight.dtype
+        grid = mx.array(data["image_grid_thw"].reshape(1, 3).astype(np.int32))
+        return self.vision_tower(mx.array(data["pixel_values"]).astype(dtype), grid, output_hidden_states=False)
+
+    def rope_positions(self, prompt: list[int], grids: list[np.ndarray]) -> tuple[np.ndarray, int]:
+        """M-RoPE positions of the prompt [3, P] and the offset of every later position
+        (position = index + delta), by mlx-vlm's own `get_rope_index`."""
+        ids = mx.array([prompt], dtype=mx.int32)
+        thw = mx.array(np.stack([g.reshape(3) for g in grids]).astype(np.int32)) if grids else None
+        pos, delta = self.language_model.get_rope_index(ids, thw)
+        if pos.ndim == 2:  # no image: plain positions
+            return np.tile(np.arange(len(prompt), dtype=np.int32), (3, 1)), 0
+        return np.array(pos[:, 0, :]).astype(np.int32), int(np.array(delta).reshape(-1)[0])

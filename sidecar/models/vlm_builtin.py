@@ -1,0 +1,111 @@
+"""Tiny generated vision-language built-ins: random weights, real processor configs.
+
+Each is a checkpoint directory as the family's real ones are laid out (config.json with a
+``vision_config``, preprocessor_config.json, a tokenizer with the family's image tokens and a chat
+template that places them), so vLLM's own processor and mlx-vlm's prepare the images, and
+mlx-vlm's model code loads the weights. Sized to run in milliseconds: images of 56-112 pixels a
+side give 4-16 placeholder tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sidecar.models.store import MARKER, ensure_generated, init_tensor, write_json
+
+SEED = 1234
+# Qwen2-VL's special tokens (transformers' Qwen2VLProcessor finds the image token by this name).
+QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>", "<|endoftext|>")
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112  # 4x4 .. 8x8 patches of 14: 4 .. 16 tokens after 2x2 merging
+
+
+@dataclass(frozen=True)
+class VLMSpec:
+    model_type: str  # mlx-vlm family
+    version: int = 1  # bump whenever the generated files change
+
+
+VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl")}
+
+
+def ensure_vlm(name: str, home: str | None = None) -> Path:
+    return ensure_generated(name, VLM_MODELS[name].version, write_vlm, home)
+
+
+def write_vlm(name: str, dest: Path, seed: int = SEED) -> None:
+    """Write built-in ``name`` into the existing directory ``dest``, marker last."""
+    files = vlm_files(name)
+    for filename, content in files.items():
+        write_json(dest / filename, content)
+    _write_weights(files["config.json"], dest / "model.safetensors", seed)
+    write_json(dest / MARKER, {"builtin": name, "version": VLM_MODELS[name].version, "seed": seed})
+
+
+def vlm_files(name: str) -> dict[str, dict]:
+    from sidecar.models.builtin import train_tokenizer
+
+    tok = train_tokenizer(512)
+    tok.post_processor = None  # Qwen tokenizers add no BOS: the template carries every marker
+    tok.add_special_tokens(list(QWEN_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in QWEN_TOKENS}
+    vocab = tok.get_vocab_size()
+    text = {
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "hidden_act": "silu", "vocab_size": vocab, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        # M-RoPE: head_dim 16 -> 8 frequencies split over (temporal, height, width)
+        "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
+        "torch_dtype": "float32", "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+    }
+    vision = {
+        "model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+        "in_channels": 3, "in_chans": 3, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    config = {
+        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", **text,
+        "text_config": {"model_type": "qwen2_vl_text", **text}, "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2VLProcessor",
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "chat_template": QWEN_CHAT_TEMPLATE,
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": ids["<|im_end|>"], "do_sample": False}}
+
+
+def _write_weights(config: dict, path: Path, seed: int) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    config = json.loads(json.dumps(config))  # mlx-vlm's from_dict rewrites its argument
+    family, _ = get_model_and_args(config)
+    model_config = family.ModelConfig.from_dict(config)
+    model = family.Model(update_module_configs(model_config, family, config, ["text", "vision"]))
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    weights = {k: mx.array(init_tensor(k, shape, config, seed)) for k, shape in sorted(shapes.items())}
+    model.load_weights(list(weights.items()), strict=True)
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
