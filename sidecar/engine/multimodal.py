@@ -117,13 +117,13 @@ class Multimodal:
                 self.stats.evictions += 1
         for rid in plan.finished:
             self.requests.pop(rid, None)
+        seen = set(self.cache)  # as vLLM counts: an item another request of the step brings is a hit too
         for rid, req in plan.new.items():
             self.requests[rid] = req
             for f in req.features:
-                if f.identifier in self.cache:
-                    self.stats.hits += 1
-                else:
-                    self.stats.misses += 1
+                self.stats.hits += f.identifier in seen
+                self.stats.misses += f.identifier not in seen
+                seen.add(f.identifier)
         if plan.encode:
             t0 = time.perf_counter()
             outs = [self.model.encode(f.data) for f in plan.encode]  # type: ignore[arg-type]
