@@ -144,7 +144,7 @@ def resolve_model(name: str, home: str | None = None) -> Path:
         if builtin in gguf.GGUF_MODELS:
             return gguf.ensure_gguf(builtin, home)
         if builtin in vlm_builtin.VLM_MODELS:
-            return vlm_builtin.ensure_vlm(builtin, home)
+            return vlm_builtin.ensure_vlm(builtin, train_tokenizer, home)
         if builtin not in BUILTIN_MODELS:
             raise ModelNotFound(
                 f"unknown built-in model {name!r}; available: "

@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from sidecar.models.store import MARKER, ensure_generated, init_tensor, write_json
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SEED = 1234
 # Qwen2-VL's special tokens (transformers' Qwen2VLProcessor finds the image token by this name).
@@ -38,23 +42,22 @@ class VLMSpec:
 VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl")}
 
 
-def ensure_vlm(name: str, home: str | None = None) -> Path:
-    return ensure_generated(name, VLM_MODELS[name].version, write_vlm, home)
+def ensure_vlm(name: str, train: Callable[[int], Tokenizer], home: str | None = None) -> Path:
+    """`train`: the built-ins' tokenizer trainer (models/builtin.py), given the BPE vocabulary size."""
+    return ensure_generated(name, VLM_MODELS[name].version, lambda n, dest: write_vlm(n, dest, train), home)
 
 
-def write_vlm(name: str, dest: Path, seed: int = SEED) -> None:
+def write_vlm(name: str, dest: Path, train: Callable[[int], Tokenizer], seed: int = SEED) -> None:
     """Write built-in ``name`` into the existing directory ``dest``, marker last."""
-    files = vlm_files(name)
+    files = vlm_files(name, train)
     for filename, content in files.items():
         write_json(dest / filename, content)
     _write_weights(files["config.json"], dest / "model.safetensors", seed)
     write_json(dest / MARKER, {"builtin": name, "version": VLM_MODELS[name].version, "seed": seed})
 
 
-def vlm_files(name: str) -> dict[str, dict]:
-    from sidecar.models.builtin import train_tokenizer
-
-    tok = train_tokenizer(512)
+def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    tok = train(512)
     tok.post_processor = None  # Qwen tokenizers add no BOS: the template carries every marker
     tok.add_special_tokens(list(QWEN_TOKENS))
     ids = {t: tok.token_to_id(t) for t in QWEN_TOKENS}

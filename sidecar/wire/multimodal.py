@@ -84,12 +84,12 @@ def tensor(d: Any, path: str) -> np.ndarray:
     if not isinstance(data, bytes):
         raise _fail("expected binary (raw array bytes)", f"{path}.data")
     itemsize = np.dtype(DTYPES[dtype]).itemsize
-    want = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
+    want = int(np.prod(shape, dtype=np.int64)) * itemsize
     if want > MAX_TENSOR_BYTES:
         raise _fail(f"{want} bytes exceed the bound of {MAX_TENSOR_BYTES}", f"{path}.shape")
     if len(data) != want:
         raise _fail(f"{len(data)} bytes, but dtype {dtype} and shape {shape} need {want}", f"{path}.data")
-    arr = np.frombuffer(data, dtype=np.dtype(DTYPES[dtype]).newbyteorder("<")).reshape(shape)
+    arr = np.frombuffer(data, dtype=np.dtype(DTYPES[dtype]).newbyteorder("<")).reshape(tuple(shape))
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise _fail("non-finite values", f"{path}.data")
     return arr
@@ -165,7 +165,7 @@ def encoder_instructions(d: dict) -> EncoderInstructions:
 
 def encode_tensor(arr: np.ndarray) -> dict:
     """The wire form of a numpy array (the client side: vLLM's worker, the reference scheduler)."""
-    arr = np.ascontiguousarray(arr)
+    arr = np.asarray(arr, order="C")  # (ascontiguousarray would make a scalar 1-D)
     if arr.dtype.name not in DTYPES:
         arr = arr.astype(np.float32)
     return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.astype(arr.dtype.newbyteorder("<")).tobytes()}
