@@ -16,7 +16,15 @@ from tests.driver import Driver
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 MODEL = "builtin:tiny-qwen2-vl"
-PROMPT = "<|im_start|>user\n{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+GEMMA = "builtin:tiny-gemma3-vl"
+PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
+           "gemma3": "<bos><start_of_turn>user\n{}<start_of_image><end_of_turn>\n<start_of_turn>model\n"}
+
+
+def _prompt(path: Path, text: str) -> str:
+    import json
+
+    return PROMPTS[json.loads((Path(path) / "config.json").read_text())["model_type"]].format(text)
 
 
 def image(seed: int = 0, size: tuple[int, int] = (80, 100)):
@@ -41,17 +49,19 @@ def _model(path: str):
 
 def prepare(path: Path, text: str, img) -> tuple[list[int], dict]:
     """mlx-vlm's processor on one image: the prompt's token ids and the item's tensors."""
-    inputs = _processor(str(path))(text=[PROMPT.format(text)], images=[img])
+    inputs = _processor(str(path))(text=[_prompt(path, text)], images=[img])
     ids = np.array(inputs["input_ids"])[0].tolist()
-    return ids, {"pixel_values": np.array(inputs["pixel_values"], np.float32),
-                 "image_grid_thw": np.array(inputs["image_grid_thw"], np.int64).reshape(-1)}
+    data = {"pixel_values": np.array(inputs["pixel_values"], np.float32)}
+    if "image_grid_thw" in inputs:
+        data["image_grid_thw"] = np.array(inputs["image_grid_thw"], np.int64).reshape(-1)
+    return ids, data
 
 
 def oracle(path: Path, text: str, img, n: int) -> list[int]:
     """mlx-vlm's own generate, greedy."""
     from mlx_vlm import generate
 
-    res = generate(_model(str(path)), _processor(str(path)), PROMPT.format(text), image=[img], max_tokens=n,
+    res = generate(_model(str(path)), _processor(str(path)), _prompt(path, text), image=[img], max_tokens=n,
                    temperature=0.0, verbose=False)
     return list(res.token_ids)[:n]
 

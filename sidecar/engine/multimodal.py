@@ -89,7 +89,7 @@ class Multimodal:
                 if f.data is None:
                     raise ProtocolError("the item's processed tensors are missing", field=f"{path}.data")
                 m.check(f.data, r.num_embeds, path)
-                grids.append(f.data["image_grid_thw"])
+                grids.append(f.data.get("image_grid_thw"))
             req = _Request(list(nr.mm_features))
             if m.mrope:
                 req.positions, req.delta = m.rope_positions(nr.prompt_token_ids, grids)

@@ -39,7 +39,18 @@ class VLMSpec:
     version: int = 1  # bump whenever the generated files change
 
 
-VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl")}
+VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-gemma3-vl": VLMSpec("gemma3")}
+
+GEMMA_TOKENS = ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                "<image_soft_token>")
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<start_of_image>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA_IMAGE_SIZE, GEMMA_IMAGE_TOKENS = 56, 4  # 4x4 patches of 14, pooled 2x2: 4 soft tokens per image
 
 
 def ensure_vlm(name: str, train: Callable[[int], Tokenizer], home: str | None = None) -> Path:
@@ -57,6 +68,10 @@ def write_vlm(name: str, dest: Path, train: Callable[[int], Tokenizer], seed: in
 
 
 def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    return (_qwen2_vl if VLM_MODELS[name].model_type == "qwen2_vl" else _gemma3)(train)
+
+
+def _qwen2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     tok = train(512)
     tok.post_processor = None  # Qwen tokenizers add no BOS: the template carries every marker
     tok.add_special_tokens(list(QWEN_TOKENS))
@@ -99,6 +114,48 @@ def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
             "generation_config.json": {"eos_token_id": ids["<|im_end|>"], "do_sample": False}}
 
 
+def _gemma3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    tok = train(512)
+    tok.post_processor = None  # the chat template writes <bos>
+    tok.add_special_tokens(list(GEMMA_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in GEMMA_TOKENS}
+    text = {
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": tok.get_vocab_size(),
+        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2,
+        "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 1000000.0,
+        "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 4096,
+        "mm_tokens_per_image": GEMMA_IMAGE_TOKENS, "hidden_activation": "gelu_pytorch_tanh",
+        "torch_dtype": "float32", "tie_word_embeddings": True,
+    }
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": GEMMA_IMAGE_SIZE, "patch_size": 14, "num_channels": 3,
+              "layer_norm_eps": 1e-6, "vision_use_head": False}
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+        "vision_config": vision, "hidden_size": 64, "mm_tokens_per_image": GEMMA_IMAGE_TOKENS,
+        "image_token_index": ids["<image_soft_token>"], "image_token_id": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
+        "pad_token_id": ids["<pad>"], "bos_token_id": ids["<bos>"], "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "torch_dtype": "float32",
+    }
+    image = {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+             "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+             "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
+             "size": {"height": GEMMA_IMAGE_SIZE, "width": GEMMA_IMAGE_SIZE}, "do_pan_and_scan": False}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Gemma3Processor",
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "chat_template": GEMMA_CHAT_TEMPLATE, "add_bos_token": False,
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"},
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "processor_config.json": {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA_IMAGE_TOKENS},
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": config["eos_token_id"], "do_sample": False}}
+
+
 def _write_weights(config: dict, path: Path, seed: int) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -106,6 +163,7 @@ def _write_weights(config: dict, path: Path, seed: int) -> None:
 
     config = json.loads(json.dumps(config))  # mlx-vlm's from_dict rewrites its argument
     family, _ = get_model_and_args(config)
+    config.setdefault("text_config", {})
     model_config = family.ModelConfig.from_dict(config)
     model = family.Model(update_module_configs(model_config, family, config, ["text", "vision"]))
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}

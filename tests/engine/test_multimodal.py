@@ -11,7 +11,7 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import MODEL, MMDriver, feature, image, oracle, prepare
+from tests.vision import GEMMA, MODEL, MMDriver, feature, image, oracle, prepare
 
 N = 8
 
@@ -173,3 +173,40 @@ def test_a_text_model_refuses_images_by_name(make_worker, sea):
     with pytest.raises(ProtocolError) as e:
         w.execute_model(_step(w, [7] * 12, feat))
     assert e.value.field == "scheduled_new_reqs[0].mm_features" and "llama" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def gemma(make_worker, home):
+    path = resolve_model(GEMMA, home)
+    w = make_worker(GEMMA, num_blocks=96)
+    return w, path
+
+
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_gemma3_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated_image(gemma, chunk):
+    """Gemma 3: sliding-window layers (window 8, shorter than the prompt), features scaled as its
+    get_input_embeddings does; chunk 7 splits the 4 image positions."""
+    w, path = gemma
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    want = oracle(path, "Describe the sea.", image(0), N)
+    other_ids, other = prepare(path, "Describe the sea.", image(3))
+    d = fresh(w)
+    runs = w.runner.mm.stats.runs
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
+    d.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    d.add_mm("b", ids, [feature(ids, data, "sea", tok(w))])
+    d.add_mm("c", other_ids, [feature(other_ids, other, "sea3", tok(w))])
+    out = d.run(N, chunk=chunk)
+    assert out["a"] == want and out["b"] == want
+    assert out["c"] == oracle(path, "Describe the sea.", image(3), N) != want
+    assert w.runner.mm.stats.runs == runs + 2
+
+
+def test_gemma3_refuses_pixels_of_another_size(gemma):
+    w, path = gemma
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    fresh(w)
+    feat = feature(ids, {"pixel_values": np.zeros((1, 3, 28, 28), np.float32)}, "small", tok(w))
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(_step(w, ids, feat))
+    assert e.value.field == "scheduled_new_reqs[0].mm_features[0].data.pixel_values" and not w.runner.requests

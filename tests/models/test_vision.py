@@ -19,10 +19,11 @@ from tests.vision import MODEL, image, prepare  # noqa: E402
 def test_only_served_vision_families_take_images(home, tmp_path):
     assert is_served(resolve_model(MODEL, home)) and "qwen2_vl" in SERVED
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
-    other = tmp_path / "gemma3"
+    assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and set(SERVED) == {"qwen2_vl", "gemma3"}
+    other = tmp_path / "llava"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
-    assert model_type(other) == "gemma3" and not is_served(other)  # its text half serves; images refused by name
+    (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
+    assert model_type(other) == "llava" and not is_served(other)  # its text half serves; images refused by name
 
 
 def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worker, home):

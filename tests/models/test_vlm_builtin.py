@@ -14,7 +14,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import MODEL, image, prepare  # noqa: E402
+from tests.vision import GEMMA, MODEL, image, prepare  # noqa: E402
 
 
 def test_resolves_and_is_deterministic(home, tmp_path):
@@ -22,7 +22,7 @@ def test_resolves_and_is_deterministic(home, tmp_path):
     assert {"config.json", "preprocessor_config.json", "tokenizer.json", "model.safetensors"} <= {
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
-    assert list(VLM_MODELS) == ["tiny-qwen2-vl"]
+    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-gemma3-vl"]
 
 
 def test_the_processor_expands_the_image_token_by_the_grid(home):
@@ -35,3 +35,14 @@ def test_the_processor_expands_the_image_token_by_the_grid(home):
         assert data["pixel_values"].shape == (np.prod(grid), 3 * 2 * 14 * 14)
     tok = vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
     assert {t["content"] for t in tok["added_tokens"]} >= set(QWEN_TOKENS)
+
+
+def test_gemma3_images_are_four_soft_tokens_between_markers(home):
+    path = resolve_model(GEMMA, home)
+    config = json.loads((path / "config.json").read_text())
+    for size in [(80, 100), (300, 40)]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        assert data["pixel_values"].shape == (1, 3, 56, 56)  # resized, no pan-and-scan crops
+        at = ids.index(config["image_token_index"])
+        assert ids[at - 1] == config["boi_token_index"] and ids[at + 4] == config["eoi_token_index"]
+        assert ids.count(config["image_token_index"]) == 4
