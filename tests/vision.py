@@ -17,8 +17,10 @@ pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is no
 
 MODEL = "builtin:tiny-qwen2-vl"
 GEMMA = "builtin:tiny-gemma3-vl"
+IDEFICS = "builtin:tiny-idefics3"
 PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
-           "gemma3": "<bos><start_of_turn>user\n{}<start_of_image><end_of_turn>\n<start_of_turn>model\n"}
+           "gemma3": "<bos><start_of_turn>user\n{}<start_of_image><end_of_turn>\n<start_of_turn>model\n",
+           "idefics3": "<|begin_of_text|>User:{}<image><end_of_utterance>\nAssistant:"}
 
 
 def _prompt(path: Path, text: str) -> str:
@@ -52,6 +54,9 @@ def prepare(path: Path, text: str, img) -> tuple[list[int], dict]:
     inputs = _processor(str(path))(text=[_prompt(path, text)], images=[img])
     ids = np.array(inputs["input_ids"])[0].tolist()
     data = {"pixel_values": np.array(inputs["pixel_values"], np.float32)}
+    if "pixel_attention_mask" in inputs:  # idefics3: [1, tiles, ...] for the one image
+        data = {"pixel_values": data["pixel_values"][0],
+                "pixel_attention_mask": np.array(inputs["pixel_attention_mask"], np.int64)[0]}
     if "image_grid_thw" in inputs:
         data["image_grid_thw"] = np.array(inputs["image_grid_thw"], np.int64).reshape(-1)
     return ids, data
@@ -67,9 +72,11 @@ def oracle(path: Path, text: str, img, n: int) -> list[int]:
 
 
 def feature(ids: list[int], data: dict, identifier: str, image_token: int) -> dict:
-    off = ids.index(image_token)
+    """The item as vLLM places it: from the first to the last image token, is_embed on the image tokens."""
+    at = [i for i, t in enumerate(ids) if t == image_token]
+    embed = [t == image_token for t in ids[at[0]: at[-1] + 1]]
     return {"modality": "image", "identifier": identifier, "mm_hash": identifier,
-            "mm_position": {"offset": off, "length": ids.count(image_token), "is_embed": None},
+            "mm_position": {"offset": at[0], "length": len(embed), "is_embed": None if all(embed) else embed},
             "data": {k: encode_tensor(v) for k, v in data.items()}}
 
 

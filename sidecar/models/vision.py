@@ -58,13 +58,17 @@ class VisionLanguageModel(nn.Module):
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__()
         self.language_model = vlm.language_model  # logits_at selects rows inside its decoder
-        self.vision_tower = vlm.vision_tower
         self.family = config["model_type"]
         object.__setattr__(self, "_next", None)  # (embeddings, positions) of the next call, from bind
 
     @property
+    def decoder(self) -> nn.Module:
+        """The module holding embed_tokens and layers (mlx-vlm nests it as `model`, or not)."""
+        return self.language_model.get("model", self.language_model)
+
+    @property
     def layers(self) -> list:
-        return self.language_model.model.layers
+        return self.decoder.layers
 
     def make_cache(self) -> list:
         """mlx-lm's cache objects (what the paged cache probes) of the kinds mlx-vlm's model makes."""
@@ -77,7 +81,7 @@ class VisionLanguageModel(nn.Module):
                 for c in own()]
 
     def embed(self, ids: mx.array) -> mx.array:
-        return self.language_model.model.embed_tokens(ids)
+        return self.decoder.embed_tokens(ids)
 
     def bind(self, embeds: mx.array | None, positions: mx.array | None) -> None:
         object.__setattr__(self, "_next", (embeds, positions))
@@ -117,6 +121,7 @@ class Qwen2VL(VisionLanguageModel):
 
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__(vlm, config)
+        self.vision_tower = vlm.vision_tower
         self.image_token_id = int(vlm.config.image_token_id)
         vc = vlm.config.vision_config
         self.merge = int(vc.spatial_merge_size)
@@ -157,6 +162,7 @@ class Qwen2VL(VisionLanguageModel):
 class Gemma3(VisionLanguageModel):
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__(vlm, config)
+        self.vision_tower = vlm.vision_tower
         self.projector = vlm.multi_modal_projector
         self.image_token_id = int(vlm.config.image_token_index)
         self.hidden_size = int(vlm.config.hidden_size)
@@ -183,5 +189,47 @@ class Gemma3(VisionLanguageModel):
         return self.projector(hidden)[0] / (self.hidden_size ** 0.5)
 
 
+class Idefics3(VisionLanguageModel):
+    """Idefics3 (SmolVLM's architecture): an image is tiles (its splits plus a global view), each
+    encoded and pixel-shuffled into `image_seq_len` embeddings."""
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__(vlm, config)
+        self.vision_model = vlm.vision_model
+        self.connector = vlm.connector
+        self.image_token_id = int(vlm.config.image_token_index)
+        vc = vlm.config.vision_config
+        self.patch = int(vc.patch_size)
+        self.pixels = (int(vc.num_channels), int(vc.image_size), int(vc.image_size))
+        self.tile_tokens = (int(vc.image_size) // self.patch) ** 2 // int(vlm.config.scale_factor) ** 2
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str) -> None:
+        """pixel_values [tiles, C, S, S] float, optional pixel_attention_mask [tiles, S, S]."""
+        (pv,) = _need(data, ("pixel_values",), self.family, path)
+        if pv.dtype.kind != "f" or pv.ndim != 4 or pv.shape[1:] != self.pixels or pv.shape[0] < 1:
+            raise ProtocolError(f"expected a float array of shape [tiles, {', '.join(map(str, self.pixels))}], got "
+                                f"{pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
+        mask = data.get("pixel_attention_mask")
+        if mask is not None and mask.shape != (pv.shape[0], *self.pixels[1:]):
+            raise ProtocolError(f"expected shape {[pv.shape[0], *self.pixels[1:]]}, got {list(mask.shape)}",
+                                field=f"{path}.data.pixel_attention_mask")
+        if num_embeds != pv.shape[0] * self.tile_tokens:
+            raise ProtocolError(f"{pv.shape[0]} tiles give {pv.shape[0] * self.tile_tokens} embeddings, the "
+                                f"placeholder takes {num_embeds}", field=f"{path}.mm_position")
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        """As Idefics3's get_input_embeddings: patches with any unmasked pixel attend, then the connector."""
+        pv = mx.array(data["pixel_values"])
+        n, _, S, _ = pv.shape
+        mask = data.get("pixel_attention_mask")
+        mask = np.ones((n, S, S), bool) if mask is None else mask.astype(bool)
+        p = S // self.patch
+        patches = mask[:, : p * self.patch, : p * self.patch].reshape(n, p, self.patch, p, self.patch).sum(axis=(2, 4)) > 0
+        hidden, *_ = self.vision_model(pv.transpose(0, 2, 3, 1), patch_attention_mask=mx.array(patches),
+                                       output_hidden_states=True)
+        out = self.connector(hidden.astype(pv.dtype))
+        return out.reshape(-1, out.shape[-1])
+
+
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
-SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "gemma3": Gemma3}
+SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "gemma3": Gemma3, "idefics3": Idefics3}

@@ -11,7 +11,7 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import GEMMA, MODEL, MMDriver, feature, image, oracle, prepare
+from tests.vision import GEMMA, IDEFICS, MODEL, MMDriver, feature, image, oracle, prepare
 
 N = 8
 
@@ -175,18 +175,19 @@ def test_a_text_model_refuses_images_by_name(make_worker, sea):
     assert e.value.field == "scheduled_new_reqs[0].mm_features" and "llama" in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def gemma(make_worker, home):
-    path = resolve_model(GEMMA, home)
-    w = make_worker(GEMMA, num_blocks=96)
+@pytest.fixture(scope="module", params=[GEMMA, IDEFICS])
+def family(request, make_worker, home):
+    path = resolve_model(request.param, home)
+    w = make_worker(request.param, num_blocks=96)
     return w, path
 
 
 @pytest.mark.parametrize("chunk", [64, 7])
-def test_gemma3_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated_image(gemma, chunk):
+def test_families_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated_image(family, chunk):
     """Gemma 3: sliding-window layers (window 8, shorter than the prompt), features scaled as its
-    get_input_embeddings does; chunk 7 splits the 4 image positions."""
-    w, path = gemma
+    get_input_embeddings does. Idefics3: 5 tiles of 4 embeddings inside a placeholder of 64
+    positions, is_embed marking them. Chunk 7 splits the images."""
+    w, path = family
     ids, data = prepare(path, "Describe the sea.", image(0))
     want = oracle(path, "Describe the sea.", image(0), N)
     other_ids, other = prepare(path, "Describe the sea.", image(3))
@@ -202,8 +203,8 @@ def test_gemma3_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated_i
     assert w.runner.mm.stats.runs == runs + 2
 
 
-def test_gemma3_refuses_pixels_of_another_size(gemma):
-    w, path = gemma
+def test_families_refuse_pixels_of_another_size(family):
+    w, path = family
     ids, data = prepare(path, "Describe the sea.", image(0))
     fresh(w)
     feat = feature(ids, {"pixel_values": np.zeros((1, 3, 28, 28), np.float32)}, "small", tok(w))

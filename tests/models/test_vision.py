@@ -19,7 +19,7 @@ from tests.vision import MODEL, image, prepare  # noqa: E402
 def test_only_served_vision_families_take_images(home, tmp_path):
     assert is_served(resolve_model(MODEL, home)) and "qwen2_vl" in SERVED
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
-    assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and set(SERVED) == {"qwen2_vl", "gemma3"}
+    assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and set(SERVED) == {"qwen2_vl", "gemma3", "idefics3"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))

@@ -14,7 +14,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import GEMMA, MODEL, image, prepare  # noqa: E402
+from tests.vision import GEMMA, IDEFICS, MODEL, image, prepare  # noqa: E402
 
 
 def test_resolves_and_is_deterministic(home, tmp_path):
@@ -22,7 +22,7 @@ def test_resolves_and_is_deterministic(home, tmp_path):
     assert {"config.json", "preprocessor_config.json", "tokenizer.json", "model.safetensors"} <= {
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
-    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-gemma3-vl"]
+    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-gemma3-vl", "tiny-idefics3"]
 
 
 def test_the_processor_expands_the_image_token_by_the_grid(home):
@@ -46,3 +46,16 @@ def test_gemma3_images_are_four_soft_tokens_between_markers(home):
         at = ids.index(config["image_token_index"])
         assert ids[at - 1] == config["boi_token_index"] and ids[at + 4] == config["eoi_token_index"]
         assert ids.count(config["image_token_index"]) == 4
+
+
+def test_idefics3_images_are_tiles_of_four_tokens(home):
+    path = resolve_model(IDEFICS, home)
+    image_token = json.loads((path / "config.json").read_text())["image_token_id"]
+    seen = set()
+    for size in [(80, 100), (50, 200)]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        tiles = data["pixel_values"].shape[0]  # splits of 56 (the longest edge resized to 112) plus the global view
+        assert data["pixel_values"].shape == (tiles, 3, 56, 56) and tiles > 1
+        assert ids.count(image_token) == 4 * tiles
+        seen.add(tiles)
+    assert len(seen) == 2

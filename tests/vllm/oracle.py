@@ -6,6 +6,8 @@ JSON on stdin -> JSON on stdout.
 {"model": ..., "prompts": [[int]], "max_tokens": n, "kv_bits": 8|4} -> [{"tokens", "logprobs"}] (mlx-lm with its
   QuantizedKVCache from the first token: tests/kv/test_quant.py's oracle)
 {"model": ..., "chat": [messages], "max_tokens": n} -> {"prompt": [int], "tokens": [int], "text": str}
+{"vlm": ..., "text": str, "image_seed": s, "size": [h, w], "max_tokens": n} -> {"prompt": [int], "tokens": [int],
+  "png": base64, "pixel_values": [...]} (mlx-vlm's processor and generate on the image tests/vision.py makes)
 "adapter": <dir> applies an mlx-lm LoRA adapter; {"model": ..., "make_adapter": <dir>, "seed": s} makes one.
 """
 
@@ -41,8 +43,26 @@ def make_adapter(name: str, dest: Path, seed: int, rank: int = 4) -> None:
                                                           "lora_parameters": params}))
 
 
+def vlm(req: dict) -> dict:
+    import base64
+    import io
+
+    from tests.vision import image, oracle, prepare
+
+    path = resolve_model(req["vlm"])
+    img = image(req["image_seed"], tuple(req["size"]))
+    ids, data = prepare(path, req["text"], img)
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    return {"prompt": ids, "tokens": oracle(path, req["text"], img, req["max_tokens"]),
+            "png": base64.b64encode(png.getvalue()).decode(), "pixel_values": data["pixel_values"].tolist()}
+
+
 def main() -> None:
     req = json.load(sys.stdin)
+    if "vlm" in req:
+        json.dump(vlm(req), sys.stdout)
+        return
     if "make_adapter" in req:
         make_adapter(req["model"], Path(req["make_adapter"]), req["seed"])
         json.dump(None, sys.stdout)

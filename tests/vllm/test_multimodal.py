@@ -1,0 +1,114 @@
+"""Images through an unmodified vLLM 0.32 and a real sidecar (builtin:tiny-gemma3-vl): vLLM's own
+processor prepares the image, our worker class sends its mm_features and encoder instructions,
+the sidecar runs mlx-vlm's model code; greedy tokens equal mlx-vlm's own generate.
+
+Gemma 3 is the family served through vLLM here: vLLM's Qwen2-VL processor needs torchvision
+(transformers' Qwen2-VL video processor), which has no build for the CPU torch vLLM's CPU wheel
+uses; the sidecar serves Qwen2-VL without vLLM (tests/engine/test_multimodal.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalFieldElem, MultiModalKwargsItem, PlaceholderRange
+from vllm.multimodal.inputs import MultiModalBatchedField
+
+from sidecar.vllm import multimodal
+from sidecar.wire.multimodal import features
+from tests.vllm.conftest import MAIN_PYTHON, WORKER_CLS, oracle, sidecar_url_config
+
+MODEL = "builtin:tiny-gemma3-vl"
+TEXT = "Describe the sea."
+N = 8
+
+
+def test_features_convert_to_the_wire_and_back() -> None:
+    pv = torch.randn(1, 3, 56, 56)
+    item = MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(pv, MultiModalBatchedField())})
+    spec = MultiModalFeatureSpec(data=item, modality="image", identifier="lora1:abc", mm_hash="abc",
+                                 mm_position=PlaceholderRange(offset=3, length=8,
+                                                              is_embed=torch.tensor([0, 0, 1, 1, 1, 1, 0, 0]).bool()))
+    wire = multimodal.features([spec])
+    back = features(wire, "f", prompt_len=11)[0]
+    assert back.identifier == "lora1:abc" and back.mm_hash == "abc"
+    assert back.mm_position.is_embed == [False, False, True, True, True, True, False, False]
+    assert np.array_equal(back.data["pixel_values"], pv.numpy())
+    bf = MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(pv.bfloat16(), MultiModalBatchedField())})
+    spec.data = bf
+    assert features(multimodal.features([spec]), "f", 11)[0].data["pixel_values"].dtype == np.float32
+
+
+def _vision_in_sidecar_venv() -> bool:
+    return subprocess.run([MAIN_PYTHON, "-c", "import mlx_vlm"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def engine(home: str, vllm_model_dir):
+    if not _vision_in_sidecar_venv():
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    from vllm import LLM
+
+    from tests.server.serverproc import start_server
+
+    with start_server("--model", MODEL) as server:
+        llm = LLM(model=vllm_model_dir(MODEL), worker_cls=WORKER_CLS, additional_config=sidecar_url_config(server.url),
+                  block_size=16, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=64 * 16 * 2 * 32 * 4 * 2, enable_prefix_caching=True, enforce_eager=True,
+                  disable_log_stats=False, seed=0, limit_mm_per_prompt={"image": 2})
+        try:
+            yield llm, server
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def _image(seed: int, size=(80, 100)) -> tuple[dict, object]:
+    from PIL import Image
+
+    want = oracle({"vlm": MODEL, "text": TEXT, "image_seed": seed, "size": list(size), "max_tokens": N}, "")
+    return want, Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
+
+
+def _encoder_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("mlx_worker_encoder")}
+
+
+def test_generate_with_images_equals_mlx_vlm_and_a_repeated_image_runs_the_encoder_once(engine) -> None:
+    from vllm import SamplingParams
+
+    llm, server = engine
+    a, img_a = _image(0)
+    b, img_b = _image(4, (120, 60))
+    prompt = "<bos><start_of_turn>user\n" + TEXT + "<start_of_image><end_of_turn>\n<start_of_turn>model\n"
+    greedy = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+    before = _encoder_metrics(server.url)
+    outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": img_a}},
+                         {"prompt_token_ids": list(range(5, 40))},
+                         {"prompt": prompt, "multi_modal_data": {"image": img_b}},
+                         {"prompt": prompt, "multi_modal_data": {"image": img_a}}], greedy, use_tqdm=False)
+    assert list(outs[0].prompt_token_ids) == a["prompt"]  # vLLM's processor made mlx-vlm's prompt
+    assert list(outs[0].outputs[0].token_ids) == a["tokens"] == list(outs[3].outputs[0].token_ids)
+    assert list(outs[2].outputs[0].token_ids) == b["tokens"] != a["tokens"]
+    after = _encoder_metrics(server.url)
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["mlx_worker_encoder_runs_total"] == 2  # img_a once for both requests that carry it
+    assert d["mlx_worker_encoder_cache_hits_total"] >= 1
+
+
+def test_chat_completions_with_an_image_data_url(engine) -> None:
+    llm, _ = engine
+    want, _ = _image(7)
+    url = "data:image/png;base64," + want["png"]
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": TEXT},
+                                                 {"type": "image_url", "image_url": {"url": url}}]}],
+                   __import__("vllm").SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    assert list(out[0].prompt_token_ids) == want["prompt"]
+    assert list(out[0].outputs[0].token_ids) == want["tokens"]
