@@ -86,10 +86,14 @@ class Multimodal:
                 if (span[embed] != m.image_token_id).any():
                     raise ProtocolError(f"the placeholder's positions must hold the image token {m.image_token_id}",
                                         field=f"{path}.mm_position")
-                if f.data is None:
+                # vLLM strips the tensors of an item whose placeholder its prefix cache covers
+                # (an M-RoPE model keeps the grid): no chunk computes those positions.
+                covered = r.offset + r.length <= nr.num_computed_tokens
+                if f.data is None and not covered and f.identifier not in self.cache:
                     raise ProtocolError("the item's processed tensors are missing", field=f"{path}.data")
-                m.check(f.data, r.num_embeds, path)
-                grids.append(f.data.get("image_grid_thw"))
+                if f.data is not None or m.mrope:
+                    m.check(f.data or {}, r.num_embeds, path, tensors=not covered or "pixel_values" in (f.data or {}))
+                grids.append((f.data or {}).get("image_grid_thw"))
             req = _Request(list(nr.mm_features))
             if m.mrope:
                 req.positions, req.delta = m.rope_positions(nr.prompt_token_ids, grids)
@@ -105,6 +109,8 @@ class Multimodal:
                 if not 0 <= j < len(req.features):
                     raise ProtocolError(f"item {j} outside [0, {len(req.features)})", field=f"{path}[{k}]")
                 f = req.features[j]
+                if f.data is None or "pixel_values" not in f.data:  # covered by the prefix cache (as vLLM's runner)
+                    continue
                 if (f.identifier not in self.cache or f.identifier in freed) and f.identifier not in queued:
                     queued.add(f.identifier)
                     plan.encode.append(f)

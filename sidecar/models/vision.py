@@ -99,7 +99,9 @@ class VisionLanguageModel(nn.Module):
 
     image_token_id: int
 
-    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str) -> None:
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
+        """The item's tensors are what this family's encoder takes (`tensors` False: only the
+        metadata positions need, for an item the prefix cache covers)."""
         raise NotImplementedError
 
     def encode(self, data: dict[str, np.ndarray]) -> mx.array:
@@ -127,16 +129,17 @@ class Qwen2VL(VisionLanguageModel):
         self.merge = int(vc.spatial_merge_size)
         self.patch_width = int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
 
-    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str) -> None:
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
         """pixel_values [t*h*w, C*tp*p*p] float, image_grid_thw (t, h, w), t*h*w/merge^2 embeddings."""
-        pv, grid = _need(data, ("pixel_values", "image_grid_thw"), self.family, path)
+        (grid,) = _need(data, ("image_grid_thw",), self.family, path)
         if grid.dtype.kind not in "iu" or grid.size != 3 or (grid.reshape(-1) < 1).any():
             raise ProtocolError("expected 3 positive integers (t, h, w)", field=f"{path}.data.image_grid_thw")
         t, h, w = (int(x) for x in grid.reshape(-1))
         if h % self.merge or w % self.merge:
             raise ProtocolError(f"h and w must be multiples of the merge size {self.merge}",
                                 field=f"{path}.data.image_grid_thw")
-        if pv.dtype.kind != "f" or pv.shape != (t * h * w, self.patch_width):
+        pv = _need(data, ("pixel_values",), self.family, path)[0] if tensors else None
+        if pv is not None and (pv.dtype.kind != "f" or pv.shape != (t * h * w, self.patch_width)):
             raise ProtocolError(f"expected a float array of shape [{t * h * w}, {self.patch_width}] for grid "
                                 f"{[t, h, w]}, got {pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
         if t * h * w // self.merge ** 2 != num_embeds:
@@ -170,7 +173,7 @@ class Gemma3(VisionLanguageModel):
         vc = vlm.config.vision_config
         self.pixels = (int(vc.num_channels), int(vc.image_size), int(vc.image_size))
 
-    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str) -> None:
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
         """pixel_values [1, C, S, S] float (one crop: pan-and-scan crops are separate images), mm_tokens_per_image embeddings."""
         (pv,) = _need(data, ("pixel_values",), self.family, path)
         if pv.dtype.kind != "f" or pv.shape not in ((1, *self.pixels), self.pixels):
@@ -203,7 +206,7 @@ class Idefics3(VisionLanguageModel):
         self.pixels = (int(vc.num_channels), int(vc.image_size), int(vc.image_size))
         self.tile_tokens = (int(vc.image_size) // self.patch) ** 2 // int(vlm.config.scale_factor) ** 2
 
-    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str) -> None:
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
         """pixel_values [tiles, C, S, S] float, optional pixel_attention_mask [tiles, S, S]."""
         (pv,) = _need(data, ("pixel_values",), self.family, path)
         if pv.dtype.kind != "f" or pv.ndim != 4 or pv.shape[1:] != self.pixels or pv.shape[0] < 1:

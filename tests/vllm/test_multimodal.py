@@ -1,10 +1,11 @@
-"""Images through an unmodified vLLM 0.32 and a real sidecar (builtin:tiny-gemma3-vl): vLLM's own
+"""Images through an unmodified vLLM 0.32 and a real sidecar (builtin:tiny-idefics3): vLLM's own
 processor prepares the image, our worker class sends its mm_features and encoder instructions,
 the sidecar runs mlx-vlm's model code; greedy tokens equal mlx-vlm's own generate.
 
-Gemma 3 is the family served through vLLM here: vLLM's Qwen2-VL processor needs torchvision
-(transformers' Qwen2-VL video processor), which has no build for the CPU torch vLLM's CPU wheel
-uses; the sidecar serves Qwen2-VL without vLLM (tests/engine/test_multimodal.py).
+Idefics3 (SmolVLM's architecture) is the family served through vLLM here: vLLM's Qwen2-VL, Qwen2.5-VL
+and Gemma 3 model modules import transformers' torchvision image processors, and torchvision has
+no build for the CPU torch of vLLM's CPU wheel on the registries; the sidecar serves those
+families without vLLM (tests/engine/test_multimodal.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sidecar.vllm import multimodal
 from sidecar.wire.multimodal import features
 from tests.vllm.conftest import MAIN_PYTHON, WORKER_CLS, oracle, sidecar_url_config
 
-MODEL = "builtin:tiny-gemma3-vl"
+MODEL = "builtin:tiny-idefics3"
 TEXT = "Describe the sea."
 N = 8
 
@@ -87,7 +88,7 @@ def test_generate_with_images_equals_mlx_vlm_and_a_repeated_image_runs_the_encod
     llm, server = engine
     a, img_a = _image(0)
     b, img_b = _image(4, (120, 60))
-    prompt = "<bos><start_of_turn>user\n" + TEXT + "<start_of_image><end_of_turn>\n<start_of_turn>model\n"
+    prompt = "<|begin_of_text|>User:" + TEXT + "<image><end_of_utterance>\nAssistant:"
     greedy = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
     before = _encoder_metrics(server.url)
     outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": img_a}},
