@@ -69,11 +69,15 @@ def engine(home: str, vllm_model_dir):
             llm.llm_engine.engine_core.shutdown()
 
 
-def _image(seed: int, size=(80, 100)) -> tuple[dict, object]:
+def _image(seed: int, size=(80, 100), text: str = TEXT) -> tuple[dict, object]:
     from PIL import Image
 
-    want = oracle({"vlm": MODEL, "text": TEXT, "image_seed": seed, "size": list(size), "max_tokens": N}, "")
+    want = oracle({"vlm": MODEL, "text": text, "image_seed": seed, "size": list(size), "max_tokens": N}, "")
     return want, Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
+
+
+def counter(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
 def _encoder_metrics(url: str) -> dict[str, float]:
@@ -87,21 +91,30 @@ def test_generate_with_images_equals_mlx_vlm_and_a_repeated_image_runs_the_encod
 
     llm, server = engine
     a, img_a = _image(0)
+    a2, _ = _image(0, text="Look at it.")
     b, img_b = _image(4, (120, 60))
-    prompt = "<|begin_of_text|>User:" + TEXT + "<image><end_of_utterance>\nAssistant:"
+
+    def prompt(text: str) -> str:
+        return "<|begin_of_text|>User:" + text + "<image><end_of_utterance>\nAssistant:"
+
     greedy = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
     before = _encoder_metrics(server.url)
-    outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": img_a}},
+    hits = counter(llm, "vllm:mm_cache_hits")
+    outs = llm.generate([{"prompt": prompt(TEXT), "multi_modal_data": {"image": img_a}},
                          {"prompt_token_ids": list(range(5, 40))},
-                         {"prompt": prompt, "multi_modal_data": {"image": img_b}},
-                         {"prompt": prompt, "multi_modal_data": {"image": img_a}}], greedy, use_tqdm=False)
+                         {"prompt": prompt(TEXT), "multi_modal_data": {"image": img_b}}], greedy, use_tqdm=False)
     assert list(outs[0].prompt_token_ids) == a["prompt"]  # vLLM's processor made mlx-vlm's prompt
-    assert list(outs[0].outputs[0].token_ids) == a["tokens"] == list(outs[3].outputs[0].token_ids)
+    assert list(outs[0].outputs[0].token_ids) == a["tokens"]
     assert list(outs[2].outputs[0].token_ids) == b["tokens"] != a["tokens"]
+    # the same image after other text (no prefix-cache hit): vLLM schedules no encoder input for it
+    again = llm.generate([{"prompt": prompt("Look at it."), "multi_modal_data": {"image": img_a}},
+                          {"prompt": prompt(TEXT), "multi_modal_data": {"image": img_a}}], greedy, use_tqdm=False)
+    assert list(again[0].outputs[0].token_ids) == a2["tokens"] and list(again[1].outputs[0].token_ids) == a["tokens"]
     after = _encoder_metrics(server.url)
     d = {k: after[k] - before.get(k, 0) for k in after}
-    assert d["mlx_worker_encoder_runs_total"] == 2  # img_a once for both requests that carry it
-    assert d["mlx_worker_encoder_cache_hits_total"] >= 1
+    assert d["mlx_worker_encoder_runs_total"] == 2  # img_a once for the three requests that carry it
+    assert d["mlx_worker_encoder_cache_hits_total"] >= 2
+    assert counter(llm, "vllm:mm_cache_hits") - hits >= 2  # vLLM saw the same image content again
 
 
 def test_chat_completions_with_an_image_data_url(engine) -> None:
