@@ -126,3 +126,26 @@ def test_chat_completions_with_an_image_data_url(engine) -> None:
                    __import__("vllm").SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), use_tqdm=False)
     assert list(out[0].prompt_token_ids) == want["prompt"]
     assert list(out[0].outputs[0].token_ids) == want["tokens"]
+
+
+def test_openai_chat_completions_with_an_image_data_url(home: str, vllm_model_dir, tmp_path) -> None:
+    """The OpenAI server's /v1/chat/completions, image_url content as a data URL (no network)."""
+    if not _vision_in_sidecar_venv():
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    from tests.server.serverproc import start_server
+    from tests.vllm.test_openai_server import api_server
+
+    want, _ = _image(9, (90, 70))
+    content = [{"type": "text", "text": TEXT},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64," + want["png"]}}]
+    with start_server("--model", MODEL) as sidecar, \
+            api_server(vllm_model_dir(MODEL), sidecar.url, "tiny-vl", tmp_path / "api.log") as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "tiny-vl", "messages": [{"role": "user", "content": content}], "max_tokens": N,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}, timeout=300)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["prompt_token_ids"] == want["prompt"]
+        assert body["choices"][0]["token_ids"] == want["tokens"]
+        metrics = _encoder_metrics(sidecar.url)
+        assert metrics["mlx_worker_encoder_runs_total"] == 1
