@@ -46,6 +46,28 @@ def test_features_convert_to_the_wire_and_back() -> None:
     assert features(multimodal.features([spec]), "f", 11)[0].data["pixel_values"].dtype == np.float32
 
 
+@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-gemma3-vl", "builtin:tiny-qwen2-vl"])
+def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_dir) -> None:
+    """transformers' image processor (what vLLM's processor calls) and mlx-vlm's, on the same image:
+    within 1e-6. (Qwen2-VL: its PIL image processor; the whole processor needs torchvision here.)"""
+    if not _vision_in_sidecar_venv():
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    want = oracle({"vlm": model, "text": TEXT, "image_seed": 3, "size": [70, 90], "max_tokens": 1}, "")
+    img = Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
+    if "qwen2" in model:
+        from transformers import Qwen2VLImageProcessorPil
+
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(vllm_model_dir(model))
+    else:
+        image_processor = AutoProcessor.from_pretrained(vllm_model_dir(model)).image_processor
+    got = image_processor(images=[img], return_tensors="np")["pixel_values"]
+    ref = np.asarray(want["pixel_values"], np.float32)
+    assert np.abs(got.reshape(ref.shape) - ref).max() <= 1e-6
+
+
 def _vision_in_sidecar_venv() -> bool:
     return subprocess.run([MAIN_PYTHON, "-c", "import mlx_vlm"], capture_output=True).returncode == 0
 
