@@ -41,7 +41,7 @@ test-distributed: install
 MLX_VLM ?= mlx-vlm==0.7.10
 VISION_STAMP := $(VENV)/.vision-stamp
 VISION_TESTS := tests/engine/test_multimodal.py tests/models/test_vision.py tests/models/test_vlm_builtin.py \
-	tests/wire/test_multimodal.py tests/scheduler/test_images.py
+	tests/wire/test_multimodal.py tests/scheduler/test_images.py tests/bench/test_vision.py
 
 $(VISION_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[vision]'

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import blas, pool_sampling, report, scenarios, spec, workloads
+from bench import blas, pool_sampling, report, scenarios, spec, vision, workloads
 from bench.cpu import CpuMeter
 from bench.params import BenchParams, from_cli
 from bench.report import REQUIRED_KEYS, table
@@ -122,7 +122,7 @@ class _LivePids:
 
 
 STAGES = ("single_stream", "rpc batch 1", "batch", "sweep", "sampling", "prefix", "rpc overhead", "pool_size",
-          "tiny single stream", "long context", "speculative", "vllm engine")
+          "tiny single stream", "long context", "speculative", "vllm engine", "images")
 
 
 def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
@@ -195,6 +195,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
             ("long context", lambda: workloads.long_context(b, pair_for)),
             ("speculative", lambda: spec.speculative(b, make_side)),
             ("vllm engine", lambda: vllm_engine(b, make_side)),
+            ("images", lambda: vision.images(b, log_dir.name)),
         ]
         assert [n for n, _ in stages] == list(STAGES)
         stages = [(n, fn) for n, fn in stages if only is None or n in only]
