@@ -98,11 +98,15 @@ class ModelRunner:
     def set_model(self, model: nn.Module) -> None:
         self.model = model
         self.lora.attach(model)
+        if self.mm is not None:
+            self.mm.model = model  # type: ignore[assignment]
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
         self.overlap.clear()
         self.model = self.lora.model = None  # type: ignore[assignment]
+        if self.mm is not None:
+            self.mm.model = None  # type: ignore[assignment]
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
@@ -119,6 +123,8 @@ class ModelRunner:
         self.overlap.clear()
         self._pending = self.pool = None
         self.requests.clear()
+        if self.mm is not None:
+            self.mm.clear()
         if self.proposer is not None:
             self.proposer.free()
 

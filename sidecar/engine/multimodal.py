@@ -72,6 +72,11 @@ class Multimodal:
         self.cache: dict[str, mx.array] = {}
         self.stats = EncoderStats()
 
+    def clear(self) -> None:
+        """Drop every request's items and every encoder output (the pool was freed)."""
+        self.requests.clear()
+        self.cache.clear()
+
     def plan(self, out: SchedulerOutput, requests: dict[str, RequestState]) -> MMPlan:
         """Validate the step's multimodal part; raises ProtocolError naming the field."""
         m = self.model

@@ -33,8 +33,8 @@ def sea(path):
 
 
 def fresh(worker) -> MMDriver:
-    worker.initialize_cache(96, 0)  # a new pool: no request, no block from a previous test
-    worker.runner.mm.cache.clear()
+    worker.initialize_cache(96, 0)  # a new pool: no request, no block, no encoder output from a previous test
+    assert not worker.runner.mm.cache and not worker.runner.mm.requests
     return MMDriver(worker.execute_model, worker.config.block_size, 96)
 
 
@@ -213,3 +213,17 @@ def test_families_refuse_pixels_of_another_size(family):
     with pytest.raises(ProtocolError) as e:
         w.execute_model(_step(w, ids, feat))
     assert e.value.field == "scheduled_new_reqs[0].mm_features[0].data.pixel_values" and not w.runner.requests
+
+
+def test_sleep_level_2_and_wake_up_serve_images_again(make_worker, sea):
+    ids, data, want = sea
+    w = make_worker(MODEL, num_blocks=96)
+    d = MMDriver(w.execute_model, w.config.block_size, 96)
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
+    assert d.run(2)["a"] == want[:2]
+    w.sleep(level=2)
+    assert w.runner.mm.model is None and not w.runner.mm.cache  # no reference to the weights left
+    w.wake_up()
+    d = MMDriver(w.execute_model, w.config.block_size, 96)
+    d.add_mm("b", ids, [feature(ids, data, "sea", tok(w))])
+    assert d.run(N)["b"] == want
