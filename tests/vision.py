@@ -37,8 +37,11 @@ def image(seed: int = 0, size: tuple[int, int] = (80, 100)):
 
 @lru_cache(maxsize=None)
 def _processor(path: str):
-    from mlx_vlm.utils import load_processor
+    import json
 
+    from mlx_vlm.utils import get_model_and_args, load_processor
+
+    get_model_and_args(json.loads((Path(path) / "config.json").read_text()))  # registers mlx-vlm's processor
     return load_processor(Path(path))
 
 
