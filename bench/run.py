@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import blas, embed, kv_store, pool_sampling, report, scenarios, spec, workloads
+from bench import blas, embed, kv_store, pool_sampling, report, scenarios, spec, vision, workloads
 from bench.cpu import CpuMeter
 from bench.params import BenchParams, from_cli
 from bench.report import REQUIRED_KEYS, table
@@ -124,7 +124,7 @@ class _LivePids:
 
 
 STAGES = ("single_stream", "rpc batch 1", "batch", "sweep", "sampling", "prefix", "rpc overhead", "pool_size",
-          "tiny single stream", "long context", "speculative", "embeddings", "vllm engine", "kv store")
+          "tiny single stream", "long context", "speculative", "embeddings", "vllm engine", "kv store", "images")
 
 
 def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
@@ -199,6 +199,7 @@ def run_bench(params: BenchParams, *, log: Callable[[str], None] | None = None,
             ("embeddings", lambda: embed.embeddings(b, make_side)),
             ("vllm engine", lambda: vllm_engine(b, make_side)),
             ("kv store", lambda: kv_store.kv_store(b, make_side)),
+            ("images", lambda: vision.images(b, log_dir.name)),
         ]
         assert [n for n, _ in stages] == list(STAGES)
         stages = [(n, fn) for n, fn in stages if only is None or n in only]

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="tokenizer source (default: the model the server reports)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template to the prompt (default: when the model has one)")
+    gen.add_argument("--image", action="append", default=None, metavar="PATH",
+                     help="an image to ask about (repeatable; a vision-language model and the vision extra, "
+                          "make install-vision): the prompt is chat-templated with the images after it")
     gen.add_argument("--speculative", choices=["none", "ngram"], default="none",
                      help="ngram: speculative decoding with prompt-lookup drafts (the worker's proposer when the "
                           "server runs one, else proposed here); the output is the same, in fewer steps")

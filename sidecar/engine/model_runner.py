@@ -22,6 +22,7 @@ from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
 from sidecar.engine import pooling, prefill_split
 from sidecar.engine.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.engine.lora import LoRAManager
+from sidecar.engine.multimodal import Multimodal, refuse_images
 from sidecar.kv.batch_caches import build_caches, read_bounded, read_limit, step_batches
 from sidecar.kv.pool import KVPool, LayerSpec
 from sidecar.kv.spec import STATE, ModelCaches
@@ -83,6 +84,7 @@ class ModelRunner:
         self._pool_parts: dict[int, Any] = {}  # this step's hidden states of pooling rows (pooling.py)
         self.kv_tier: Any = None  # kv_tier.KVTier: the disk KV tier (--kv-store-dir), else None
         self._tier_step: Any = None
+        self.mm: Multimodal | None = None  # a vision-language model's images (engine/multimodal.py)
 
     ahead_hits = property(lambda self: self.overlap.hits)  # decode rows taken from the queued forward
     ahead_misses = property(lambda self: self.overlap.misses)  # rows it computed for nothing
@@ -100,11 +102,15 @@ class ModelRunner:
     def set_model(self, model: nn.Module) -> None:
         self.model = model
         self.lora.attach(model)
+        if self.mm is not None:
+            self.mm.model = model  # type: ignore[assignment]
 
     def drop_model(self) -> None:
         """Release every reference to the weights (sleep level 2); set_model brings them back."""
         self.overlap.clear()
         self.model = self.lora.model = None  # type: ignore[assignment]
+        if self.mm is not None:
+            self.mm.model = None  # type: ignore[assignment]
 
     def loras_in_use(self) -> set[int]:
         return {s.lora_id for s in self.requests.values()} - {0}
@@ -121,6 +127,8 @@ class ModelRunner:
         self.overlap.clear()
         self._pending = self.pool = None
         self.requests.clear()
+        if self.mm is not None:
+            self.mm.clear()
         if self.proposer is not None:
             self.proposer.free()
 
@@ -147,6 +155,7 @@ class ModelRunner:
         if self._pending is not None:
             raise StateError("execute_model: the previous step waits for sample_tokens; call sample_tokens first")
         t0 = time.perf_counter()
+        mm_plan = self.mm.plan(out, self.requests) if self.mm else refuse_images(out, type(self.model).__module__)
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
                          state_groups=self.state_groups, num_groups=len(self.groups), pooling=self.pooling)
@@ -156,6 +165,8 @@ class ModelRunner:
             if tier is not None:
                 self.overlap.clear()  # a queued decode must not run on blocks about to be loaded
                 self.kv_tier.load(self.pool, tier)
+            if self.mm is not None:
+                self.mm.apply(mm_plan)
             logits, prompt_lp = self._logits(plan.rows)
             if defer_sampling:
                 if logits is not None:
@@ -346,10 +357,12 @@ class ModelRunner:
         index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
         keep, pool_spans = pooling.positions(rows, lengths, L)
         caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths)
+        ids = mx.array(flat, dtype=mx.int32).reshape(len(rows), L)
+        if self.mm is not None:
+            self.mm.bind(rows, ids)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
-            ids = mx.array(flat, dtype=mx.int32).reshape(len(rows), L)
             logits, hidden = forward_at(self.model, ids, caches, index,
                                         mx.array(keep, dtype=mx.int32) if keep else None)
             pooling.collect(hidden, pool_spans, where, self._pool_parts)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sidecar.models import families, gguf
+from sidecar.models import families, gguf, vlm_builtin
 from sidecar.models.store import (
     BUILTIN_PREFIX,
     MARKER,
@@ -149,10 +149,12 @@ def resolve_model(name: str, home: str | None = None) -> Path:
         builtin = name[len(BUILTIN_PREFIX) :]
         if builtin in gguf.GGUF_MODELS:
             return gguf.ensure_gguf(builtin, home)
+        if builtin in vlm_builtin.VLM_MODELS:
+            return vlm_builtin.ensure_vlm(builtin, train_tokenizer, home)
         if builtin not in BUILTIN_MODELS:
             raise ModelNotFound(
                 f"unknown built-in model {name!r}; available: "
-                + ", ".join(BUILTIN_PREFIX + n for n in [*BUILTIN_MODELS, *gguf.GGUF_MODELS])
+                + ", ".join(BUILTIN_PREFIX + n for n in [*BUILTIN_MODELS, *gguf.GGUF_MODELS, *vlm_builtin.VLM_MODELS])
             )
         return ensure_builtin(builtin, home)
     path = Path(name).expanduser()
@@ -170,7 +172,7 @@ def resolve_model(name: str, home: str | None = None) -> Path:
 def needs_building(name: str, home: str | None = None) -> bool:
     """True when resolving ``name`` would generate a built-in first (it is not on disk yet)."""
     builtin = name.removeprefix(BUILTIN_PREFIX)
-    spec = BUILTIN_MODELS.get(builtin) or gguf.GGUF_MODELS.get(builtin)
+    spec = BUILTIN_MODELS.get(builtin) or gguf.GGUF_MODELS.get(builtin) or vlm_builtin.VLM_MODELS.get(builtin)
     if not name.startswith(BUILTIN_PREFIX) or spec is None:
         return False
     return not is_complete(generated_dir(builtin, spec.version, home))

@@ -12,11 +12,14 @@ import json
 import shutil
 from pathlib import Path
 
-from sidecar.models.builtin import BUILTIN_MODELS, builtin_files, resolve_model
+from sidecar.models.builtin import BUILTIN_MODELS, builtin_files, resolve_model, train_tokenizer
 from sidecar.models.store import BUILTIN_PREFIX, ModelNotFound
+from sidecar.models.vlm_builtin import VLM_MODELS, vlm_files
 
 VLLM_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+              # what vLLM's processor reads for a vision-language model
+              "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json", "chat_template.json")
 
 
 def model_dir(name: str, home: str | None = None, dest: str | None = None) -> Path:
@@ -24,9 +27,11 @@ def model_dir(name: str, home: str | None = None, dest: str | None = None) -> Pa
         return resolve_model(name, home)
     out = Path(dest).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] in BUILTIN_MODELS:
-        for filename, content in builtin_files(name[len(BUILTIN_PREFIX):]).items():
-            (out / filename).parent.mkdir(exist_ok=True)
+    builtin = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else None
+    files = (builtin_files(builtin) if builtin in BUILTIN_MODELS else
+             vlm_files(builtin, train_tokenizer) if builtin in VLM_MODELS else None)
+    if files is not None:
+        for filename, content in files.items():
             (out / filename).write_text(json.dumps(content, indent=2) + "\n")
         return out.resolve()
     src = resolve_model(name, home)  # a local directory (or an unknown built-in: ModelNotFound)

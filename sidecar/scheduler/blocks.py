@@ -77,7 +77,9 @@ class BlockManager:
             tokens = seq.all_token_ids
             while len(hashes) < n:
                 i = len(hashes)
-                hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+                # a chain starts from the sequence's salt (its images' identifiers), if it has one
+                hashes.append(hash_block(hashes[-1] if hashes else getattr(seq, "hash_salt", None),
+                                         tokens[i * bs : (i + 1) * bs]))
         return hashes[:n]
 
     def cached_prefix(self, seq: SeqLike) -> list[int]:

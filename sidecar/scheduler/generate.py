@@ -112,8 +112,14 @@ def generate_cli(args: argparse.Namespace) -> int:
         sampling: dict = {"temperature": args.temperature}
         if args.seed is not None:
             sampling["seed"] = args.seed
-        prompt = prompt_ids(tok, args.model or model["path"], args.prompt, getattr(args, "chat", None))
-        sched.add_request(Request("generate-0", prompt, sampling, max_tokens=args.max_tokens))
+        features: list[dict] = []
+        if getattr(args, "image", None):  # mlx-vlm's processor expands the prompt and prepares the images
+            from sidecar.scheduler.images import prepare
+
+            prompt, features = prepare(args.model or model["path"], args.prompt, args.image)
+        else:
+            prompt = prompt_ids(tok, args.model or model["path"], args.prompt, getattr(args, "chat", None))
+        sched.add_request(Request("generate-0", prompt, sampling, max_tokens=args.max_tokens, mm_features=features))
         printer = StreamPrinter(lambda ids: tok.decode(ids, skip_special_tokens=True))
         if getattr(args, "pipeline", 0) and args.speculative == "none":
             pipe = Pipeline(args.url, token=token, connections=args.pipeline)

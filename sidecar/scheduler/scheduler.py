@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from sidecar.scheduler import images
 from sidecar.scheduler.blocks import BlockManager
 from sidecar.scheduler.kv_store import Lookup, StoreTier, full_block_hashes
 
@@ -57,6 +58,7 @@ class Request:
     # the step that returns its pooler_output, kept in `pooled`. Use max_tokens=1.
     pooling_params: dict | None = None
     pooled: list | None = None
+    mm_features: list[dict] = field(default_factory=list)  # wire items (images.py), sent with the new request
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -67,6 +69,10 @@ class Request:
             raise ValueError(f"request {self.req_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"request {self.req_id!r}: min_tokens must be in [0, max_tokens]")
+
+    @property
+    def hash_salt(self) -> bytes | None:
+        return images.salt(self.mm_features)
 
     @property
     def min_tokens(self) -> int:
@@ -127,6 +133,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # finished or aborted since the last step, known to the worker
         # the worker's disk KV tier (kv_store.py): its kv_store_lookup, e.g. RemoteWorker.kv_store_lookup
         self.store = StoreTier(kv_store_lookup, block_size) if kv_store_lookup and enable_prefix_caching else None
+        self.encoder = images.EncoderSchedule()
 
     def add_request(self, req: Request) -> None:
         if req.req_id in self.requests:
@@ -234,7 +241,7 @@ class Scheduler:
                 new_reqs.append({
                     "req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
                     "sampling_params": req.wire_sampling_params(), "block_ids": [list(req.block_table)],
-                    "num_computed_tokens": num_computed, "lora_request": None,
+                    "num_computed_tokens": num_computed, "lora_request": None, "mm_features": req.mm_features,
                 } if req.pooling_params is None else {
                     "req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
                     "pooling_params": req.pooling_params, "block_ids": [list(req.block_table)],
@@ -244,6 +251,10 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         for req_id in finished:
             del self.requests[req_id]
+        encode = self.encoder.schedule((r.req_id, r.mm_features, r.num_computed_tokens, num_scheduled[r.req_id])
+                                       for r in self.running if r.mm_features and r.req_id in num_scheduled)
+        free = self.encoder.evict({f["identifier"] for r in self.requests.values() if not r.is_finished
+                                   for f in r.mm_features})
         return {
             "scheduled_new_reqs": new_reqs,
             "scheduled_cached_reqs": {
@@ -261,6 +272,8 @@ class Scheduler:
             "finished_req_ids": finished,
             "preempted_req_ids": preempted,
             **(self.store.fields(self.requests, num_scheduled, spec) if self.store is not None else {}),
+            "scheduled_encoder_inputs": encode,
+            "free_encoder_mm_hashes": free,
         }
 
     def update_from_output(self, scheduler_output: dict, model_runner_output: dict) -> list[Event]:

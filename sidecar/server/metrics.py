@@ -66,6 +66,7 @@ class Snapshot:
     blocks_used: int = 0
     running_requests: int = 0
     kv_tier: Any = None  # the disk KV tier (engine/kv_tier.py): its counters are ints, read atomically
+    encoder: tuple = (0, 0, 0, 0, 0.0)  # the vision encoder's runs, hits, misses, evictions, seconds
 
     @classmethod
     def of(cls, w: MLXWorker) -> Snapshot:
@@ -95,11 +96,13 @@ class Snapshot:
         """The fields a step changes."""
         runner = w.runner
         tier = getattr(runner, "kv_tier", None)
+        mm = getattr(runner, "mm", None) if runner is not None else None
+        enc = (mm.stats.runs, mm.stats.hits, mm.stats.misses, mm.stats.evictions, mm.stats.seconds) if mm else (0,) * 5
         if runner is None or not runner.pool:
-            return {"blocks_used": 0, "running_requests": 0, "kv_tier": tier}
+            return {"blocks_used": 0, "running_requests": 0, "kv_tier": tier, "encoder": enc}
         reqs = runner.requests
         return {"blocks_used": len(set().union(*(t for r in reqs.values() for t in [r.block_ids, *r.other_block_ids]))),
-                "running_requests": len(reqs), "kv_tier": tier}
+                "running_requests": len(reqs), "kv_tier": tier, "encoder": enc}
 
     @staticmethod
     def static_key(w: MLXWorker) -> tuple:
@@ -171,6 +174,15 @@ class WorkerCollector(Collector):
         yield from kv_store.families(snap.kv_tier, p)
         yield gauge("spec_decode_acceptance_ratio", "Speculative decoding: accepted / verified draft tokens since start "
                     "(0 before any)", m.spec_accepted / m.spec_drafts if m.spec_drafts else 0.0)
+        for value, name, doc in zip(snap.encoder, ("encoder_runs", "encoder_cache_hits", "encoder_cache_misses",
+                                                   "encoder_cache_evictions", "encoder_seconds"),
+                                    ("Multimodal items run through the vision encoder",
+                                     "New requests' items whose encoder output was cached",
+                                     "New requests' items not in the encoder cache",
+                                     "Encoder outputs freed by the scheduler", "Time in the vision encoder")):
+            fam = CounterMetricFamily(p + name, doc)
+            fam.add_metric([], value)
+            yield fam
 
 
 class _WithoutCreated(Collector):

@@ -10,6 +10,8 @@ from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.outputs import DraftTokenIds, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 
+from sidecar.vllm import multimodal
+
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -87,6 +89,7 @@ def scheduler_output(so: SchedulerOutput, pooler: Any = None) -> dict:
             "block_ids": _groups(r.block_ids),
             "num_computed_tokens": r.num_computed_tokens, "lora_request": lora_request(r.lora_request),
             "prefill_token_ids": None if r.prefill_token_ids is None else list(r.prefill_token_ids),
+            "mm_features": multimodal.features(r.mm_features),
         })
         if pooling is not None:
             new[-1]["pooling_params"] = pooling_params(pooling, r.req_id, pooler)
@@ -105,6 +108,7 @@ def scheduler_output(so: SchedulerOutput, pooler: Any = None) -> dict:
         "finished_req_ids": sorted(so.finished_req_ids), "preempted_req_ids": sorted(so.preempted_req_ids or ()),
         "scheduled_spec_decode_tokens": spec,
         "kv_cache_block_copies": [[int(s), int(d)] for s, d in (so.kv_cache_block_copies or ())],
+        **multimodal.encoder_instructions(so),
     }
 
 

@@ -14,6 +14,7 @@ from sidecar.errors import ProtocolError
 from sidecar.wire.pooling_params import PoolingParams
 from sidecar.wire.sampling_params import SamplingParams
 from sidecar.wire import kv_store
+from sidecar.wire import multimodal
 
 # The codecs live in wire/codec.py (no MLX); re-exported for the callers that import them from here.
 from sidecar.wire.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
@@ -112,6 +113,7 @@ class NewRequestData:
     # token (prompt + outputs so far); its state replaces the old one of the same id.
     prefill_token_ids: list[int] | None = None
     pooling_params: PoolingParams | None = None  # a pooling request (wire/pooling_params.py)
+    mm_features: list[multimodal.MMFeature] = field(default_factory=list)  # images (wire/multimodal.py)
 
 
 @dataclass
@@ -139,6 +141,8 @@ class SchedulerOutput:
     # disk KV tier (wire/kv_store.py): stored blocks to load before the forward, blocks to save after
     kv_store_load: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
     kv_store_save: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
+    # which requests' multimodal items to encode this step, and which encoder outputs to drop
+    encoder: multimodal.EncoderInstructions = field(default_factory=multimodal.EncoderInstructions)
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -165,6 +169,7 @@ class SchedulerOutput:
             scheduled_spec_decode_tokens=_spec_tokens(get(d, "scheduled_spec_decode_tokens", dict, default={})),
             kv_store_load=kv_store.transfers(d, kv_store.LOAD),
             kv_store_save=kv_store.transfers(d, kv_store.SAVE),
+            encoder=multimodal.encoder_instructions(d),
         )
 
 
@@ -212,6 +217,7 @@ def _new_request(d: Any, path: str, vocab_size: int, max_logprobs: int) -> NewRe
         lora_request=lora,
         prefill_token_ids=_prefill_tokens(d, path, prompt),
         pooling_params=_pooling(d, path),
+        mm_features=multimodal.features(d.get("mm_features"), _join(path, "mm_features"), len(prompt)),
     )
 
 

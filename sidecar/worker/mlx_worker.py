@@ -114,12 +114,14 @@ class MLXWorker(StateMachine):
         from sidecar.engine import pooling
         from sidecar.models import ModelNotFound, resolve_model
         from sidecar.models.importable import check_importable
+        from sidecar.models.vision import is_served, load_vision
         from sidecar.kv.spec import UnsupportedModel
 
         try:  # what fails here is the model directory the operator configured: 4xx, and no paths
             path = resolve_model(self.config.model, self.config.home)
             check_importable(path)  # 400 (field model) naming a package mlx-lm's module needs
-            model, config = pooling.load(path, lazy=self.lazy_load)
+            vision = is_served(path)  # images through mlx-vlm's model code (models/vision.py)
+            model, config = load_vision(path) if vision else pooling.load(path, lazy=self.lazy_load)
             self.model, self.model_config, self.model_path = model, config, path
             vocab, eos = vocab_size(config), eos_ids(config, path)
         except UnsupportedModel:
@@ -144,6 +146,10 @@ class MLXWorker(StateMachine):
             caches=caches,
         )
         self.runner.pooling = pooling_offered
+        if vision:
+            from sidecar.engine.multimodal import Multimodal
+
+            self.runner.mm = Multimodal(model)
         try:
             probe_batched(self.runner)
         except BaseException:

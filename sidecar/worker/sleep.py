@@ -51,7 +51,10 @@ class SleepMode:
         if "weights" in wanted & self.asleep:
             from sidecar.engine.pooling import load
 
-            model, _ = load(worker.model_path, lazy=worker.lazy_load)
+            from sidecar.models.vision import is_served, load_vision
+
+            model, _ = (load_vision(worker.model_path) if is_served(worker.model_path)
+                        else load(worker.model_path, lazy=worker.lazy_load))
             worker.model = model
             runner.set_model(model)
             worker.weights_bytes = weights_bytes(model)

@@ -51,8 +51,10 @@ def expect(cond: bool, msg: str) -> None:
 
 
 STEP_KEYS = {"scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
-             "scheduled_spec_decode_tokens", "num_common_prefix_blocks", "finished_req_ids", "preempted_req_ids"}
-NEW_KEYS = {"req_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "lora_request"}
+             "scheduled_spec_decode_tokens", "num_common_prefix_blocks", "finished_req_ids", "preempted_req_ids",
+             "scheduled_encoder_inputs", "free_encoder_mm_hashes"}
+NEW_KEYS = {"req_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "lora_request",
+            "mm_features"}
 CACHED_KEYS = {"req_ids", "resumed_req_ids", "new_token_ids", "new_block_ids", "num_computed_tokens",
                "num_output_tokens"}
 

@@ -43,7 +43,9 @@ GAUGES: dict[str, set[str]] = {
 COUNTERS = {"rpc_requests": {"method", "code"}, "prompt_tokens": set(), "generation_tokens": set(),
             "steps": set(), "errors": {"type"}, "prefill_chunks": set(), "pooling_requests": set(),
             "spec_decode_draft_tokens": set(), "spec_decode_accepted_tokens": set(),  # issue 12
-            "mlx_thread_idle_seconds": set()}  # issue 11
+            "mlx_thread_idle_seconds": set(),  # issue 11
+            "encoder_runs": set(), "encoder_cache_hits": set(), "encoder_cache_misses": set(),
+            "encoder_cache_evictions": set(), "encoder_seconds": set()}
 HISTOGRAMS = {"rpc_duration_seconds": {"method"}, "step_duration_seconds": set(), "step_tokens": set(),
               "step_batch_size": set(), "time_to_first_token_seconds": set(),
               "spec_decode_draft_tokens_per_step": set()}  # issue 12

@@ -7,6 +7,8 @@ JSON on stdin -> JSON on stdout.
   QuantizedKVCache from the first token: tests/kv/test_quant.py's oracle)
 {"model": ..., "chat": [messages], "max_tokens": n} -> {"prompt": [int], "tokens": [int], "text": str}
 {"model": ..., "prompts": [[int]], "pool": kind, "score": bool} -> pooled hidden states (see `pool`)
+{"vlm": ..., "text": str, "image_seed": s, "size": [h, w], "max_tokens": n} -> {"prompt": [int], "tokens": [int],
+  "png": base64, "pixel_values": [...]} (mlx-vlm's processor and generate on the image tests/vision.py makes)
 "adapter": <dir> applies an mlx-lm LoRA adapter; {"model": ..., "make_adapter": <dir>, "seed": s} makes one.
 """
 
@@ -56,10 +58,26 @@ def pool(req: dict) -> None:
         w = np.array(mx.load(str(path / "model.safetensors"))["score.weight"])
         out = [o @ w.T for o in out]
     json.dump([o.tolist() for o in out], sys.stdout)
+def vlm(req: dict) -> dict:
+    import base64
+    import io
+
+    from tests.vision import image, oracle, prepare
+
+    path = resolve_model(req["vlm"])
+    img = image(req["image_seed"], tuple(req["size"]))
+    ids, data = prepare(path, req["text"], img)
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    return {"prompt": ids, "tokens": oracle(path, req["text"], img, req["max_tokens"]),
+            "png": base64.b64encode(png.getvalue()).decode(), "pixel_values": data["pixel_values"].tolist()}
 
 
 def main() -> None:
     req = json.load(sys.stdin)
+    if "vlm" in req:
+        json.dump(vlm(req), sys.stdout)
+        return
     if "make_adapter" in req:
         make_adapter(req["model"], Path(req["make_adapter"]), req["seed"])
         json.dump(None, sys.stdout)

@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -18,41 +21,47 @@ from tests.vllm.conftest import WORKER_CLS, oracle, sidecar_url_config
 N = 10
 
 
+@contextmanager
+def api_server(model: str, sidecar_url: str, served: str, log: Path, *flags: str) -> Iterator[str]:
+    """vLLM's OpenAI server over the sidecar at `sidecar_url`; yields its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--worker-cls", WORKER_CLS,
+           "--additional-config", json.dumps(sidecar_url_config(sidecar_url)), "--host", "127.0.0.1",
+           "--port", str(port), "--kv-cache-memory-bytes", str(1 << 20), "--block-size", "16",
+           "--max-model-len", "256", "--enforce-eager", "--served-model-name", served, *flags]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(log.read_text()[-4000:])
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def api(home: str, vllm_model_dir, tmp_path_factory: pytest.TempPathFactory):
     model = vllm_model_dir("builtin:tiny")
     log = tmp_path_factory.mktemp("api") / "api_server.log"
-    with start_server("--model", "builtin:tiny") as sidecar:
-        port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--worker-cls", WORKER_CLS,
-               "--additional-config", json.dumps(sidecar_url_config(sidecar.url)), "--host", "127.0.0.1",
-               "--port", str(port), "--kv-cache-memory-bytes", str(1 << 20), "--block-size", "16",
-               "--max-model-len", "256", "--enforce-eager", "--served-model-name", "tiny"]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
-                                    start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 400
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(log.read_text()[-4000:])
-                time.sleep(1)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    with start_server("--model", "builtin:tiny") as sidecar, api_server(model, sidecar.url, "tiny", log) as url:
+        yield url
 
 
 def test_completions_give_mlx_lms_tokens(api: str, home: str) -> None:

@@ -1,0 +1,186 @@
+"""Images in a step: what vLLM's GPU runner does with `mm_features` and the encoder instructions.
+
+Per step, as vLLM's `_update_states` / `_execute_mm_encoder` / `_gather_mm_embeddings`: the
+encoder outputs the scheduler freed are dropped, new requests' items are registered, the items in
+`scheduled_encoder_inputs` run through the vision encoder into a cache keyed by their identifier
+(the content hash: two requests with the same image share one run), and each batch's input
+embeddings take, at every placeholder position its chunk computes, the matching row of the cached
+output (an image split across chunks included). M-RoPE families get every row's positions from
+the request's prompt and grids (models/vision.py). `plan` validates a step before anything
+changes; `apply` commits it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from sidecar.errors import ProtocolError
+from sidecar.wire.multimodal import MMFeature
+from sidecar.wire.protocol import SchedulerOutput
+
+if TYPE_CHECKING:
+    from sidecar.engine.state import RequestState, Row
+    from sidecar.models.vision import VisionLanguageModel
+
+
+@dataclass
+class EncoderStats:
+    runs: int = 0  # items encoded
+    hits: int = 0  # a new request's item whose output was already cached
+    misses: int = 0
+    evictions: int = 0  # outputs freed by the scheduler
+    seconds: float = 0.0  # in the encoder
+
+
+@dataclass
+class _Request:
+    features: list[MMFeature]
+    positions: np.ndarray | None = None  # [3, P] M-RoPE positions of the prompt
+    delta: int = 0  # later positions: index + delta
+
+
+@dataclass
+class MMPlan:
+    new: dict[str, _Request] = field(default_factory=dict)
+    encode: list[MMFeature] = field(default_factory=list)  # in order, identifiers not cached
+    free: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+def refuse_images(out: SchedulerOutput, family: str) -> None:
+    """A model served as text only: a request carrying images is a 400 naming the family."""
+    for i, nr in enumerate(out.scheduled_new_reqs):
+        if nr.mm_features:
+            from sidecar.models.vision import SERVED
+
+            raise ProtocolError(f"this model ({family}) is served as text only; images are served for "
+                                f"{', '.join(SERVED)} with the vision extra installed",
+                                field=f"scheduled_new_reqs[{i}].mm_features")
+    if out.encoder.scheduled_encoder_inputs:
+        raise ProtocolError("this model is served as text only", field="scheduled_encoder_inputs")
+
+
+class Multimodal:
+    def __init__(self, model: VisionLanguageModel):
+        self.model = model
+        self.requests: dict[str, _Request] = {}
+        self.cache: dict[str, mx.array] = {}
+        self.stats = EncoderStats()
+
+    def clear(self) -> None:
+        """Drop every request's items and every encoder output (the pool was freed)."""
+        self.requests.clear()
+        self.cache.clear()
+
+    def plan(self, out: SchedulerOutput, requests: dict[str, RequestState]) -> MMPlan:
+        """Validate the step's multimodal part; raises ProtocolError naming the field."""
+        m = self.model
+        plan = MMPlan(free=list(out.encoder.free_encoder_mm_hashes), finished=list(out.finished_req_ids))
+        for i, nr in enumerate(out.scheduled_new_reqs):
+            grids = []
+            for j, f in enumerate(nr.mm_features):
+                path = f"scheduled_new_reqs[{i}].mm_features[{j}]"
+                r = f.mm_position
+                span = np.asarray(nr.prompt_token_ids[r.offset: r.offset + r.length])
+                embed = np.ones(r.length, bool) if r.is_embed is None else np.asarray(r.is_embed)
+                if (span[embed] != m.image_token_id).any():
+                    raise ProtocolError(f"the placeholder's positions must hold the image token {m.image_token_id}",
+                                        field=f"{path}.mm_position")
+                # vLLM strips the tensors of an item whose placeholder its prefix cache covers
+                # (an M-RoPE model keeps the grid): no chunk computes those positions.
+                covered = r.offset + r.length <= nr.num_computed_tokens
+                if f.data is None and not covered and f.identifier not in self.cache:
+                    raise ProtocolError("the item's processed tensors are missing", field=f"{path}.data")
+                if f.data is not None or m.mrope:
+                    m.check(f.data or {}, r.num_embeds, path, tensors=not covered or "pixel_values" in (f.data or {}))
+                grids.append((f.data or {}).get("image_grid_thw"))
+            req = _Request(list(nr.mm_features))
+            if m.mrope:
+                req.positions, req.delta = m.rope_positions(nr.prompt_token_ids, grids)
+            plan.new[nr.req_id] = req
+        freed = set(plan.free)
+        queued: set[str] = set()
+        for rid, items in out.encoder.scheduled_encoder_inputs.items():
+            path = f"scheduled_encoder_inputs.{rid}"
+            req = plan.new.get(rid) or (self.requests.get(rid) if rid in requests else None)
+            if req is None:
+                raise ProtocolError(f"request {rid!r} has no multimodal items", field=path)
+            for k, j in enumerate(items):
+                if not 0 <= j < len(req.features):
+                    raise ProtocolError(f"item {j} outside [0, {len(req.features)})", field=f"{path}[{k}]")
+                f = req.features[j]
+                if f.data is None or "pixel_values" not in f.data:  # covered by the prefix cache (as vLLM's runner)
+                    continue
+                if (f.identifier not in self.cache or f.identifier in freed) and f.identifier not in queued:
+                    queued.add(f.identifier)
+                    plan.encode.append(f)
+        return plan
+
+    def apply(self, plan: MMPlan) -> None:
+        """Free, register, encode: vLLM's order. The encoder runs here, timed."""
+        for h in plan.free:
+            if self.cache.pop(h, None) is not None:
+                self.stats.evictions += 1
+        for rid in plan.finished:
+            self.requests.pop(rid, None)
+        seen = set(self.cache)  # as vLLM counts: an item another request of the step brings is a hit too
+        for rid, req in plan.new.items():
+            self.requests[rid] = req
+            for f in req.features:
+                self.stats.hits += f.identifier in seen
+                self.stats.misses += f.identifier not in seen
+                seen.add(f.identifier)
+        if plan.encode:
+            t0 = time.perf_counter()
+            outs = [self.model.encode(f.data) for f in plan.encode]  # type: ignore[arg-type]
+            mx.eval(outs)
+            self.stats.seconds += time.perf_counter() - t0
+            self.stats.runs += len(outs)
+            self.cache.update((f.identifier, o) for f, o in zip(plan.encode, outs))
+
+    def bind(self, rows: list[Row], ids: np.ndarray) -> None:
+        """Set the next forward's input embeddings and positions for the padded batch `ids` [B, L]."""
+        m = self.model
+        B, L = ids.shape
+        pos = np.zeros((3, B, L), np.int32)
+        dst: list[np.ndarray] = []
+        src: list[mx.array] = []
+        for b, row in enumerate(rows):
+            req = self.requests.get(row.state.req_id)
+            s, n = row.start, len(row.token_ids)
+            idx = np.arange(s, s + n)
+            pos[:, b, :n] = idx
+            if req is None:
+                continue
+            if req.positions is not None:
+                P = req.positions.shape[1]
+                pos[:, b, :n] = np.where(idx < P, req.positions[:, np.minimum(idx, P - 1)], idx + req.delta)
+            for j, f in enumerate(req.features):
+                r = f.mm_position
+                lo, hi = max(r.offset, s), min(r.offset + r.length, s + n)
+                if lo >= hi:
+                    continue
+                out = self.cache.get(f.identifier)
+                if out is None:
+                    raise ProtocolError(f"the encoder output of item {j} of {row.state.req_id!r} is needed at "
+                                        f"positions [{lo}, {hi}) but was never scheduled (or was freed)",
+                                        field="scheduled_encoder_inputs")
+                embed = np.ones(r.length, bool) if r.is_embed is None else np.asarray(r.is_embed)
+                which = np.cumsum(embed) - 1  # encoder row of each placeholder position
+                at = np.arange(lo, hi)
+                keep = embed[at - r.offset]
+                dst.append(b * L + at[keep] - s)
+                src.append(out[mx.array(which[at[keep] - r.offset])])
+        embeds = None
+        if dst:
+            embeds = m.embed(mx.array(ids))
+            D = embeds.shape[-1]
+            flat = embeds.reshape(B * L, D)
+            flat[mx.array(np.concatenate(dst))] = mx.concatenate(src).astype(flat.dtype)
+            embeds = flat.reshape(B, L, D)
+        m.bind(embeds, mx.array(pos) if m.mrope else None)

@@ -1,0 +1,238 @@
+"""Vision-language checkpoints through mlx-vlm's own model code.
+
+`load_vision` loads a served family with mlx-vlm and wraps it as the runner's model: called like
+an mlx-lm model (`model(tokens, cache=...)`), with the input embeddings (and, for M-RoPE families,
+the positions) of the next call set beforehand by engine/multimodal.py (`bind`). Each family says
+what its encoder takes (`check`), runs it (`encode`: the rows its own `get_input_embeddings`
+writes into the token embeddings) and, for Qwen2-VL, computes positions with mlx-vlm's own
+`get_rope_index`. Checkpoints of other multimodal families keep being served as text-only
+models through mlx-lm; a request with an image for them is refused naming the family.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from sidecar.errors import ProtocolError
+
+
+def vision_available() -> bool:
+    try:
+        import mlx_vlm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def model_type(path: Path) -> str | None:
+    """The checkpoint's model_type when it is a vision-language one (has a vision_config), else None."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config.get("vision_config"), dict) else None
+
+
+def is_served(path: Path) -> bool:
+    return model_type(path) in SERVED and vision_available()
+
+
+def load_vision(path: Path) -> tuple[VisionLanguageModel, dict]:
+    from mlx_vlm.utils import load_model
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return SERVED[config["model_type"]](load_model(Path(path)), config), config
+
+
+class VisionLanguageModel(nn.Module):
+    """mlx-vlm's model as the runner sees a text model; its vision tower runs through `encode`."""
+
+    mrope = False  # positions from the request (bind) rather than from the cache offset
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__()
+        self.language_model = vlm.language_model  # logits_at selects rows inside its decoder
+        self.family = config["model_type"]
+        object.__setattr__(self, "_next", None)  # (embeddings, positions) of the next call, from bind
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The module holding embed_tokens and layers (mlx-vlm nests it as `model`, or not)."""
+        return self.language_model.get("model", self.language_model)
+
+    @property
+    def layers(self) -> list:
+        return self.decoder.layers
+
+    def make_cache(self) -> list:
+        """mlx-lm's cache objects (what the paged cache probes) of the kinds mlx-vlm's model makes."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        own = getattr(self.language_model, "make_cache", None)
+        if own is None:
+            return [KVCache() for _ in self.layers]
+        return [RotatingKVCache(max_size=c.max_size, keep=c.keep) if hasattr(c, "max_size") else KVCache()
+                for c in own()]
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.decoder.embed_tokens(ids)
+
+    def bind(self, embeds: mx.array | None, positions: mx.array | None) -> None:
+        object.__setattr__(self, "_next", (embeds, positions))
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        embeds, positions = self._next or (None, None)
+        object.__setattr__(self, "_next", None)
+        if not self.mrope:
+            return self.language_model(inputs, inputs_embeds=embeds, cache=cache).logits
+        if positions is None:  # text from the cache's offset on (the load-time probe)
+            off = cache[0].offset if cache and isinstance(cache[0].offset, int) else 0
+            B, L = inputs.shape
+            positions = mx.broadcast_to(mx.arange(off, off + L)[None, None], (3, B, L))
+        return self.language_model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions).logits
+
+    image_token_id: int
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
+        """The item's tensors are what this family's encoder takes (`tensors` False: only the
+        metadata positions need, for an item the prefix cache covers)."""
+        raise NotImplementedError
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        raise NotImplementedError
+
+    def rope_positions(self, prompt: list[int], grids: list[np.ndarray]) -> tuple[np.ndarray, int]:
+        raise NotImplementedError
+
+
+def _need(data: dict[str, np.ndarray], names: tuple[str, ...], family: str, path: str) -> list[np.ndarray]:
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise ProtocolError(f"{family} takes {', '.join(names)}; missing {', '.join(missing)}", field=f"{path}.data")
+    return [data[n] for n in names]
+
+
+class Qwen2VL(VisionLanguageModel):
+    mrope = True
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__(vlm, config)
+        self.vision_tower = vlm.vision_tower
+        self.image_token_id = int(vlm.config.image_token_id)
+        vc = vlm.config.vision_config
+        self.merge = int(vc.spatial_merge_size)
+        self.patch_width = int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
+        """pixel_values [t*h*w, C*tp*p*p] float, image_grid_thw (t, h, w), t*h*w/merge^2 embeddings."""
+        (grid,) = _need(data, ("image_grid_thw",), self.family, path)
+        if grid.dtype.kind not in "iu" or grid.size != 3 or (grid.reshape(-1) < 1).any():
+            raise ProtocolError("expected 3 positive integers (t, h, w)", field=f"{path}.data.image_grid_thw")
+        t, h, w = (int(x) for x in grid.reshape(-1))
+        if h % self.merge or w % self.merge:
+            raise ProtocolError(f"h and w must be multiples of the merge size {self.merge}",
+                                field=f"{path}.data.image_grid_thw")
+        pv = _need(data, ("pixel_values",), self.family, path)[0] if tensors else None
+        if pv is not None and (pv.dtype.kind != "f" or pv.shape != (t * h * w, self.patch_width)):
+            raise ProtocolError(f"expected a float array of shape [{t * h * w}, {self.patch_width}] for grid "
+                                f"{[t, h, w]}, got {pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
+        if t * h * w // self.merge ** 2 != num_embeds:
+            raise ProtocolError(f"grid {[t, h, w]} gives {t * h * w // self.merge ** 2} embeddings, the placeholder "
+                                f"takes {num_embeds}", field=f"{path}.mm_position")
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        dtype = self.vision_tower.patch_embed.proj.weight.dtype
+        grid = mx.array(data["image_grid_thw"].reshape(1, 3).astype(np.int32))
+        return self.vision_tower(mx.array(data["pixel_values"]).astype(dtype), grid, output_hidden_states=False)
+
+    def rope_positions(self, prompt: list[int], grids: list[np.ndarray]) -> tuple[np.ndarray, int]:
+        """M-RoPE positions of the prompt [3, P] and the offset of every later position
+        (position = index + delta), by mlx-vlm's own `get_rope_index`."""
+        ids = mx.array([prompt], dtype=mx.int32)
+        thw = mx.array(np.stack([g.reshape(3) for g in grids]).astype(np.int32)) if grids else None
+        pos, delta = self.language_model.get_rope_index(ids, thw)
+        if pos.ndim == 2:  # no image: plain positions
+            return np.tile(np.arange(len(prompt), dtype=np.int32), (3, 1)), 0
+        return np.array(pos[:, 0, :]).astype(np.int32), int(np.array(delta).reshape(-1)[0])
+
+
+class Gemma3(VisionLanguageModel):
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__(vlm, config)
+        self.vision_tower = vlm.vision_tower
+        self.projector = vlm.multi_modal_projector
+        self.image_token_id = int(vlm.config.image_token_index)
+        self.hidden_size = int(vlm.config.hidden_size)
+        self.tokens = int(vlm.config.text_config.mm_tokens_per_image)
+        vc = vlm.config.vision_config
+        self.pixels = (int(vc.num_channels), int(vc.image_size), int(vc.image_size))
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
+        """pixel_values [1, C, S, S] float (one crop: pan-and-scan crops are separate images), mm_tokens_per_image embeddings."""
+        (pv,) = _need(data, ("pixel_values",), self.family, path)
+        if pv.dtype.kind != "f" or pv.shape not in ((1, *self.pixels), self.pixels):
+            raise ProtocolError(f"expected a float array of shape [1, {', '.join(map(str, self.pixels))}], got "
+                                f"{pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
+        if num_embeds != self.tokens:
+            raise ProtocolError(f"an image gives {self.tokens} embeddings, the placeholder takes {num_embeds}",
+                                field=f"{path}.mm_position")
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        """As Gemma3's get_input_embeddings: projected features over sqrt(hidden) (the language model
+        scales every input embedding by it)."""
+        pv = mx.array(data["pixel_values"].reshape(1, *self.pixels)).transpose(0, 2, 3, 1)
+        hidden, _, _ = self.vision_tower(pv.astype(self.projector.mm_input_projection_weight.dtype),
+                                         output_hidden_states=True)
+        return self.projector(hidden)[0] / (self.hidden_size ** 0.5)
+
+
+class Idefics3(VisionLanguageModel):
+    """Idefics3 (SmolVLM's architecture): an image is tiles (its splits plus a global view), each
+    encoded and pixel-shuffled into `image_seq_len` embeddings."""
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__(vlm, config)
+        self.vision_model = vlm.vision_model
+        self.connector = vlm.connector
+        self.image_token_id = int(vlm.config.image_token_index)
+        vc = vlm.config.vision_config
+        self.patch = int(vc.patch_size)
+        self.pixels = (int(vc.num_channels), int(vc.image_size), int(vc.image_size))
+        self.tile_tokens = (int(vc.image_size) // self.patch) ** 2 // int(vlm.config.scale_factor) ** 2
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
+        """pixel_values [tiles, C, S, S] float, optional pixel_attention_mask [tiles, S, S]."""
+        (pv,) = _need(data, ("pixel_values",), self.family, path)
+        if pv.dtype.kind != "f" or pv.ndim != 4 or pv.shape[1:] != self.pixels or pv.shape[0] < 1:
+            raise ProtocolError(f"expected a float array of shape [tiles, {', '.join(map(str, self.pixels))}], got "
+                                f"{pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
+        mask = data.get("pixel_attention_mask")
+        if mask is not None and mask.shape != (pv.shape[0], *self.pixels[1:]):
+            raise ProtocolError(f"expected shape {[pv.shape[0], *self.pixels[1:]]}, got {list(mask.shape)}",
+                                field=f"{path}.data.pixel_attention_mask")
+        if num_embeds != pv.shape[0] * self.tile_tokens:
+            raise ProtocolError(f"{pv.shape[0]} tiles give {pv.shape[0] * self.tile_tokens} embeddings, the "
+                                f"placeholder takes {num_embeds}", field=f"{path}.mm_position")
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        """As Idefics3's get_input_embeddings: patches with any unmasked pixel attend, then the connector."""
+        pv = mx.array(data["pixel_values"])
+        n, _, S, _ = pv.shape
+        mask = data.get("pixel_attention_mask")
+        mask = np.ones((n, S, S), bool) if mask is None else mask.astype(bool)
+        p = S // self.patch
+        patches = mask[:, : p * self.patch, : p * self.patch].reshape(n, p, self.patch, p, self.patch).sum(axis=(2, 4)) > 0
+        hidden, *_ = self.vision_model(pv.transpose(0, 2, 3, 1), patch_attention_mask=mx.array(patches),
+                                       output_hidden_states=True)
+        out = self.connector(hidden.astype(pv.dtype))
+        return out.reshape(-1, out.shape[-1])
+
+
+# mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
+SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "gemma3": Gemma3, "idefics3": Idefics3}

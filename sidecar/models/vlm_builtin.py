@@ -1,0 +1,216 @@
+"""Tiny generated vision-language built-ins: random weights, real processor configs.
+
+Each is a checkpoint directory as the family's real ones are laid out (config.json with a
+``vision_config``, preprocessor_config.json, a tokenizer with the family's image tokens and a chat
+template that places them), so vLLM's own processor and mlx-vlm's prepare the images, and
+mlx-vlm's model code loads the weights. Sized to run in milliseconds: images of 56-112 pixels a
+side give 4-16 placeholder tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from sidecar.models.store import MARKER, ensure_generated, init_tensor, write_json
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+SEED = 1234
+# Qwen2-VL's special tokens (transformers' Qwen2VLProcessor finds the image token by this name).
+QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>", "<|endoftext|>")
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112  # 4x4 .. 8x8 patches of 14: 4 .. 16 tokens after 2x2 merging
+
+
+@dataclass(frozen=True)
+class VLMSpec:
+    model_type: str  # mlx-vlm family
+    version: int = 1  # bump whenever the generated files change
+
+
+VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-gemma3-vl": VLMSpec("gemma3"),
+                                  "tiny-idefics3": VLMSpec("idefics3")}
+
+IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                  "<global-img>")
+IDEFICS_CHAT_TEMPLATE = (
+    "<|begin_of_text|>{% for m in messages %}{{ m['role'] | capitalize }}:"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+IDEFICS_TILE = 56  # 4x4 patches of 14, pixel-shuffled 2x2: 4 tokens per tile; images split into tiles of 56 up to 112
+
+GEMMA_TOKENS = ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                "<image_soft_token>")
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<start_of_image>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA_IMAGE_SIZE, GEMMA_IMAGE_TOKENS = 56, 4  # 4x4 patches of 14, pooled 2x2: 4 soft tokens per image
+
+
+def ensure_vlm(name: str, train: Callable[[int], Tokenizer], home: str | None = None) -> Path:
+    """`train`: the built-ins' tokenizer trainer (models/builtin.py), given the BPE vocabulary size."""
+    return ensure_generated(name, VLM_MODELS[name].version, lambda n, dest: write_vlm(n, dest, train), home)
+
+
+def write_vlm(name: str, dest: Path, train: Callable[[int], Tokenizer], seed: int = SEED) -> None:
+    """Write built-in ``name`` into the existing directory ``dest``, marker last."""
+    files = vlm_files(name, train)
+    for filename, content in files.items():
+        write_json(dest / filename, content)
+    _write_weights(files["config.json"], dest / "model.safetensors", seed)
+    write_json(dest / MARKER, {"builtin": name, "version": VLM_MODELS[name].version, "seed": seed})
+
+
+def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    return {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "idefics3": _idefics3}[VLM_MODELS[name].model_type](train)
+
+
+def _qwen2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    tok = train(512)
+    tok.post_processor = None  # Qwen tokenizers add no BOS: the template carries every marker
+    tok.add_special_tokens(list(QWEN_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in QWEN_TOKENS}
+    vocab = tok.get_vocab_size()
+    text = {
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "hidden_act": "silu", "vocab_size": vocab, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        # M-RoPE: head_dim 16 -> 8 frequencies split over (temporal, height, width)
+        "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
+        "torch_dtype": "float32", "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+    }
+    vision = {
+        "model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+        "in_channels": 3, "in_chans": 3, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    config = {
+        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", **text,
+        "text_config": {"model_type": "qwen2_vl_text", **text}, "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2VLProcessor",
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "chat_template": QWEN_CHAT_TEMPLATE,
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": ids["<|im_end|>"], "do_sample": False}}
+
+
+def _gemma3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    tok = train(512)
+    tok.post_processor = None  # the chat template writes <bos>
+    tok.add_special_tokens(list(GEMMA_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in GEMMA_TOKENS}
+    text = {
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": tok.get_vocab_size(),
+        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2,
+        "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 1000000.0,
+        "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 4096,
+        "mm_tokens_per_image": GEMMA_IMAGE_TOKENS, "hidden_activation": "gelu_pytorch_tanh",
+        "torch_dtype": "float32", "tie_word_embeddings": True,
+    }
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": GEMMA_IMAGE_SIZE, "patch_size": 14, "num_channels": 3,
+              "layer_norm_eps": 1e-6, "vision_use_head": False}
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+        "vision_config": vision, "hidden_size": 64, "mm_tokens_per_image": GEMMA_IMAGE_TOKENS,
+        "image_token_index": ids["<image_soft_token>"], "image_token_id": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
+        "pad_token_id": ids["<pad>"], "bos_token_id": ids["<bos>"], "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "torch_dtype": "float32",
+    }
+    image = {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+             "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+             "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
+             "size": {"height": GEMMA_IMAGE_SIZE, "width": GEMMA_IMAGE_SIZE}, "do_pan_and_scan": False}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Gemma3Processor",
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "chat_template": GEMMA_CHAT_TEMPLATE, "add_bos_token": False,
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"},
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "processor_config.json": {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA_IMAGE_TOKENS},
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": config["eos_token_id"], "do_sample": False}}
+
+
+def _idefics3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    tok = train(512)
+    tok.post_processor = None  # the chat template writes <|begin_of_text|>
+    tok.add_special_tokens(list(IDEFICS_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in IDEFICS_TOKENS}
+    text = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": tok.get_vocab_size(), "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "hidden_act": "silu", "torch_dtype": "float32", "pad_token_id": ids["<|end_of_text|>"]}
+    vision = {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": IDEFICS_TILE, "patch_size": 14, "num_channels": 3,
+              "layer_norm_eps": 1e-6}
+    config = {"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3", "text_config": text,
+              "vision_config": vision, "scale_factor": 2, "image_token_id": ids["<image>"], "hidden_size": 64,
+              "vocab_size": tok.get_vocab_size(), "bos_token_id": ids["<|begin_of_text|>"],
+              "eos_token_id": ids["<end_of_utterance>"], "pad_token_id": ids["<|end_of_text|>"], "torch_dtype": "float32",
+              "tie_word_embeddings": False}
+    image = {"image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
+             "do_convert_rgb": True, "do_resize": True, "size": {"longest_edge": 2 * IDEFICS_TILE}, "resample": 1,
+             "do_image_splitting": True, "max_image_size": {"longest_edge": IDEFICS_TILE}, "do_rescale": True,
+             "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+             "image_std": [0.5, 0.5, 0.5], "do_pad": True}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Idefics3Processor",
+        "bos_token": "<|begin_of_text|>", "eos_token": "<end_of_utterance>", "pad_token": "<|end_of_text|>",
+        "model_max_length": 4096, "clean_up_tokenization_spaces": False, "chat_template": IDEFICS_CHAT_TEMPLATE,
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "processor_config.json": {"processor_class": "Idefics3Processor", "image_seq_len": 4},
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": config["eos_token_id"], "do_sample": False}}
+
+
+def _write_weights(config: dict, path: Path, seed: int) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    config = json.loads(json.dumps(config))  # mlx-vlm's from_dict rewrites its argument
+    family, _ = get_model_and_args(config)
+    config.setdefault("text_config", {})
+    model_config = family.ModelConfig.from_dict(config)
+    model = family.Model(update_module_configs(model_config, family, config, ["text", "vision"]))
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    weights = {k: mx.array(init_tensor(k, shape, config, seed)) for k, shape in sorted(shapes.items())}
+    model.load_weights(list(weights.items()), strict=True)
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})

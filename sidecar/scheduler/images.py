@@ -1,0 +1,110 @@
+"""Images for the reference scheduler: requests with multimodal items, and the encoder schedule.
+
+`prepare` turns a prompt and image files into token ids and wire items with mlx-vlm's processor
+(what vLLM's processor does on its side); `EncoderSchedule` decides, as vLLM's encoder cache
+manager does, which items the worker encodes in a step (the first chunk that reaches an item whose
+output the worker does not hold) and which outputs it frees (the least recently used ones no
+unfinished request needs, past `max_items`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from sidecar.wire.multimodal import encode_tensor
+
+
+def salt(features: list[dict]) -> bytes | None:
+    """What a request's block hashes start from: its items' identifiers (a prefix-cache hit then
+    needs the same images, not only the same placeholder tokens)."""
+    if not features:
+        return None
+    return hashlib.sha256("\0".join(f["identifier"] for f in features).encode()).digest()
+
+
+class EncoderSchedule:
+    def __init__(self, max_items: int = 64):
+        self.max_items = max_items
+        self.held: OrderedDict[str, None] = OrderedDict()  # identifiers the worker holds, LRU first
+        self.to_free: list[str] = []
+
+    def schedule(self, spans: Iterable[tuple[str, list[dict], int, int]]) -> dict[str, list[int]]:
+        """spans: (req_id, items, first computed position, tokens scheduled) of this step's rows."""
+        out: dict[str, list[int]] = {}
+        for rid, items, start, n in spans:
+            for j, f in enumerate(items):
+                p = f["mm_position"]
+                if p["offset"] < start + n and p["offset"] + p["length"] > start:
+                    if f["identifier"] in self.held:
+                        self.held.move_to_end(f["identifier"])
+                    else:
+                        self.held[f["identifier"]] = None
+                        out.setdefault(rid, []).append(j)
+        return out
+
+    def evict(self, needed: set[str]) -> list[str]:
+        """Free least recently used outputs past max_items that no unfinished request needs; the
+        frees go out with the next step."""
+        for h in list(self.held):
+            if len(self.held) <= self.max_items:
+                break
+            if h not in needed:
+                del self.held[h]
+                self.to_free.append(h)
+        out, self.to_free = self.to_free, []
+        return out
+
+
+def prepare(model_path: str | Path, prompt: str, images: list[str | Path]) -> tuple[list[int], list[dict]]:
+    """Token ids and wire items for `prompt` with `images` (after the text, in order), by mlx-vlm's
+    processor and the model's chat template. Each item's identifier is a hash of its file's bytes."""
+    from mlx_vlm.utils import get_model_and_args, load_processor
+    from PIL import Image
+
+    path = Path(model_path)
+    config = json.loads((path / "config.json").read_text())
+    get_model_and_args(dict(config))  # imports the family, which registers mlx-vlm's processor for it
+    image_token = config.get("image_token_id", config.get("image_token_index"))
+    proc = load_processor(path)
+    pics = [Image.open(p).convert("RGB") for p in images]
+
+    def text(n: int) -> str:
+        content = [{"type": "text", "text": prompt}, *[{"type": "image"}] * n]
+        return proc.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                  tokenize=False)
+
+    inputs = proc(text=[text(len(pics))], images=pics or None)
+    ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+    at = [i for i, t in enumerate(ids) if t == image_token]
+    features = []
+    for k, (img, file) in enumerate(zip(pics, images)):
+        one = proc(text=[text(1)], images=[img])  # this image alone: its tensors and embedding count
+        n = int((np.asarray(one["input_ids"]) == image_token).sum())
+        mine, at = at[:n], at[n:]
+        span = ids[mine[0]: mine[-1] + 1]
+        embed = [t == image_token for t in span]
+        data = {key: _item(one[key]) for key in one if key not in ("input_ids", "attention_mask", "token_type_ids")}
+        digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+        features.append({"modality": "image", "identifier": digest, "mm_hash": digest,
+                         "mm_position": {"offset": mine[0], "length": len(span),
+                                         "is_embed": None if all(embed) else embed},
+                         "data": {key: encode_tensor(v) for key, v in data.items()}})
+    return ids, features
+
+
+def _item(value: Any) -> np.ndarray:
+    """One image's tensor from a processor output of one image (a leading batch of 1 dropped
+    where the family batches per prompt: [1, tiles, ...])."""
+    a = np.asarray(value)
+    a = a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64) if a.dtype.kind in "iub" else a
+    if a.ndim == 5 or (a.ndim == 4 and a.shape[0] == 1 and a.dtype == np.int64):  # idefics3: [1, tiles, ...]
+        a = a[0]
+    if a.ndim == 2 and a.shape == (1, 3) and a.dtype == np.int64:  # a grid [[t, h, w]]
+        a = a[0]
+    return a

@@ -1,0 +1,229 @@
+"""Images through the worker against mlx-vlm's own generate on builtin:tiny-qwen2-vl (fp32, greedy):
+chunked prefill splitting the image, batching with text, prefix caching after the image,
+preemption, the encoder cache's accounting, and bad inputs (4xx naming the field, nothing changes)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from sidecar.errors import ProtocolError
+from sidecar.models import resolve_model
+from tests.vision import GEMMA, IDEFICS, MODEL, MMDriver, feature, image, oracle, prepare
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def path(home):
+    return resolve_model(MODEL, home)
+
+
+@pytest.fixture(scope="module")
+def worker(make_worker):
+    return make_worker(MODEL, num_blocks=96)
+
+
+@pytest.fixture(scope="module")
+def sea(path):
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    return ids, data, oracle(path, "Describe the sea.", image(0), N)
+
+
+def fresh(worker) -> MMDriver:
+    worker.initialize_cache(96, 0)  # a new pool: no request, no block, no encoder output from a previous test
+    assert not worker.runner.mm.cache and not worker.runner.mm.requests
+    return MMDriver(worker.execute_model, worker.config.block_size, 96)
+
+
+def tok(worker) -> int:
+    return worker.runner.mm.model.image_token_id
+
+
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_greedy_tokens_equal_mlx_vlm_generate(worker, sea, chunk):
+    """chunk 7 splits the image's 12 placeholder positions over three chunks."""
+    ids, data, want = sea
+    off = ids.index(tok(worker))
+    assert off % chunk + ids.count(tok(worker)) > chunk or chunk == 64  # the split really happens
+    d = fresh(worker)
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))])
+    assert d.run(N, chunk=chunk)["a"] == want
+    assert worker.runner.mm.stats.runs >= 1
+
+
+def test_the_image_and_the_positions_matter(worker, path, sea):
+    """Negative controls: another image changes the tokens; plain 1-D positions change the logits."""
+    ids, data, want = sea
+    other_ids, other, _ = (*prepare(path, "Describe the sea.", image(5)), None)
+    assert other_ids == ids
+    d = fresh(worker)
+    d.add_mm("b", ids, [feature(ids, other, "other", tok(worker))])
+    got = d.run(N)["b"]
+    assert got == oracle(path, "Describe the sea.", image(5), N) and got != want
+    req_positions = worker.runner.mm.requests["b"].positions
+    assert (req_positions != np.arange(len(ids))).any()  # M-RoPE is not the identity on this prompt
+
+
+def test_batched_with_text_and_a_repeated_image_shares_one_encoder_run(worker, sea):
+    ids, data, want = sea
+    d = fresh(worker)
+    before = copy.copy(worker.runner.mm.stats)
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))])
+    d.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    d.add_mm("b", ids, [feature(ids, data, "sea", tok(worker))])
+    out = d.run(N, chunk=7)
+    assert out["a"] == want and out["b"] == want
+    s = worker.runner.mm.stats
+    assert s.runs - before.runs == 1 and s.hits - before.hits == 1 and s.misses - before.misses == 1
+    # the text request alone gives the same tokens (batching changes nothing)
+    d2 = fresh(worker)
+    d2.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    assert d2.run(N)["text"] == out["text"]
+
+
+def test_prefix_cached_after_the_image(worker, sea):
+    """A second request reusing the first's blocks for its first 32 prompt tokens (image included)
+    computes only the tail: no encoder run, the same tokens; its item comes without pixels."""
+    ids, data, want = sea
+    d = fresh(worker)
+    a = d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))])
+    assert d.run(N)["a"] == want
+    bs = worker.config.block_size
+    hit = (len(ids) - 1) // bs * bs
+    assert hit > ids.index(tok(worker)) + ids.count(tok(worker))  # the image is inside the cached prefix
+    shared = a.blocks[: hit // bs]
+    stripped = feature(ids, data, "sea", tok(worker))
+    del stripped["data"]["pixel_values"]  # as vLLM strips a covered item (an M-RoPE model keeps the grid)
+    d.add_mm("b", ids, [stripped], blocks=shared + d.alloc(4), computed=hit)
+    runs = worker.runner.mm.stats.runs
+    assert d.run(N)["b"] == want
+    assert worker.runner.mm.stats.runs == runs
+
+
+def test_preempted_and_recomputed_after_its_encoder_output_was_freed(worker, sea):
+    ids, data, want = sea
+    d = fresh(worker)
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))])
+    d.add("text", [5, 6, 7, 8, 9])
+    for _ in range(4):
+        d.step(chunk=16)
+    assert 0 < len(d.reqs["a"].out) < N
+    d.preempt("a")
+    d.free_encoder("sea")
+    runs, evictions = worker.runner.mm.stats.runs, worker.runner.mm.stats.evictions
+    assert d.run(N, chunk=16)["a"] == want
+    assert worker.runner.mm.stats.runs == runs + 1 and worker.runner.mm.stats.evictions == evictions + 1
+
+
+def _step(worker, ids, feat, sched=None, rid="x"):
+    return {"scheduled_new_reqs": [{"req_id": rid, "prompt_token_ids": ids, "sampling_params": {"temperature": 0.0},
+                                    "block_ids": [list(range(90, 93))], "num_computed_tokens": 0, "mm_features": [feat]}],
+            "num_scheduled_tokens": {rid: len(ids)}, "total_num_scheduled_tokens": len(ids),
+            "scheduled_encoder_inputs": {rid: [0]} if sched is None else sched}
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda f: f["data"]["pixel_values"].update(dtype="int32"), "pixel_values"),
+    (lambda f: f["data"]["pixel_values"].update(data=b"\0" * 8), "pixel_values.data"),
+    (lambda f: f["data"]["pixel_values"].update(shape=[47, 1176], data=b"\0" * 47 * 1176 * 4), "pixel_values"),
+    (lambda f: f["data"]["image_grid_thw"].update(data=np.array([1, 6, 10], np.int64).tobytes()), "pixel_values"),
+    (lambda f: f["data"]["image_grid_thw"].update(data=np.array([1, 6, 7], np.int64).tobytes()), "image_grid_thw"),
+    (lambda f: f["mm_position"].update(length=11), "mm_position"),
+    (lambda f: f["mm_position"].update(is_embed=[True] * 11), "is_embed"),
+    (lambda f: f["mm_position"].update(offset=30), "mm_position"),
+    (lambda f: f["mm_position"].update(offset=5), "mm_position"),
+    (lambda f: f.update(modality="audio"), "modality"),
+    (lambda f: f.pop("data"), "data"),
+])
+def test_bad_items_are_refused_naming_the_field_and_change_nothing(worker, sea, change, field):
+    ids, data, _ = sea
+    d = fresh(worker)
+    d.add("keep", [5, 6, 7, 8])
+    d.step()
+    feat = feature(ids, data, "bad", tok(worker))
+    change(feat)
+    before = (set(worker.runner.requests), set(worker.runner.mm.cache), set(worker.runner.mm.requests))
+    with pytest.raises(ProtocolError) as e:
+        worker.execute_model(_step(worker, ids, feat))
+    assert field in e.value.field and e.value.field.startswith("scheduled_new_reqs[0].mm_features[0]")
+    assert (set(worker.runner.requests), set(worker.runner.mm.cache), set(worker.runner.mm.requests)) == before
+    assert d.run(3)["keep"]  # the other request goes on
+
+
+def test_scheduled_items_must_exist(worker, sea):
+    ids, data, _ = sea
+    fresh(worker)
+    feat = feature(ids, data, "s", tok(worker))
+    for sched, field in [({"x": [1]}, "scheduled_encoder_inputs.x[0]"), ({"nobody": [0]}, "scheduled_encoder_inputs.nobody")]:
+        with pytest.raises(ProtocolError) as e:
+            worker.execute_model(_step(worker, ids, feat, sched))
+        assert e.value.field == field
+        assert not worker.runner.requests
+    # never scheduled: the placeholder has no encoder output to take
+    with pytest.raises(ProtocolError) as e:
+        worker.execute_model(_step(worker, ids, feat, {}))
+    assert e.value.field == "scheduled_encoder_inputs" and not worker.runner.requests
+
+
+def test_a_text_model_refuses_images_by_name(make_worker, sea):
+    ids, data, _ = sea
+    w = make_worker("builtin:tiny", num_blocks=96)
+    feat = feature([7] * 12, data, "s", 7)
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(_step(w, [7] * 12, feat))
+    assert e.value.field == "scheduled_new_reqs[0].mm_features" and "llama" in str(e.value)
+
+
+@pytest.fixture(scope="module", params=[GEMMA, IDEFICS])
+def family(request, make_worker, home):
+    path = resolve_model(request.param, home)
+    w = make_worker(request.param, num_blocks=96)
+    return w, path
+
+
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_families_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated_image(family, chunk):
+    """Gemma 3: sliding-window layers (window 8, shorter than the prompt), features scaled as its
+    get_input_embeddings does. Idefics3: 5 tiles of 4 embeddings inside a placeholder of 64
+    positions, is_embed marking them. Chunk 7 splits the images."""
+    w, path = family
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    want = oracle(path, "Describe the sea.", image(0), N)
+    other_ids, other = prepare(path, "Describe the sea.", image(3))
+    d = fresh(w)
+    runs = w.runner.mm.stats.runs
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
+    d.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    d.add_mm("b", ids, [feature(ids, data, "sea", tok(w))])
+    d.add_mm("c", other_ids, [feature(other_ids, other, "sea3", tok(w))])
+    out = d.run(N, chunk=chunk)
+    assert out["a"] == want and out["b"] == want
+    assert out["c"] == oracle(path, "Describe the sea.", image(3), N) != want
+    assert w.runner.mm.stats.runs == runs + 2
+
+
+def test_families_refuse_pixels_of_another_size(family):
+    w, path = family
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    fresh(w)
+    feat = feature(ids, {"pixel_values": np.zeros((1, 3, 28, 28), np.float32)}, "small", tok(w))
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(_step(w, ids, feat))
+    assert e.value.field == "scheduled_new_reqs[0].mm_features[0].data.pixel_values" and not w.runner.requests
+
+
+def test_sleep_level_2_and_wake_up_serve_images_again(make_worker, sea):
+    ids, data, want = sea
+    w = make_worker(MODEL, num_blocks=96)
+    d = MMDriver(w.execute_model, w.config.block_size, 96)
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
+    assert d.run(2)["a"] == want[:2]
+    w.sleep(level=2)
+    assert w.runner.mm.model is None and not w.runner.mm.cache  # no reference to the weights left
+    w.wake_up()
+    d = MMDriver(w.execute_model, w.config.block_size, 96)
+    d.add_mm("b", ids, [feature(ids, data, "sea", tok(w))])
+    assert d.run(N)["b"] == want

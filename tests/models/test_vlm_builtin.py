@@ -1,0 +1,61 @@
+"""builtin:tiny-qwen2-vl: a checkpoint laid out as the family's real ones (processor config,
+tokenizer with the image tokens, chat template), deterministic, loaded by mlx-vlm."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sidecar.models import resolve_model
+from sidecar.models.builtin import train_tokenizer
+from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
+
+pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
+
+from tests.vision import GEMMA, IDEFICS, MODEL, image, prepare  # noqa: E402
+
+
+def test_resolves_and_is_deterministic(home, tmp_path):
+    path = resolve_model(MODEL, home)
+    assert {"config.json", "preprocessor_config.json", "tokenizer.json", "model.safetensors"} <= {
+        p.name for p in path.iterdir()}
+    assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
+    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-gemma3-vl", "tiny-idefics3"]
+
+
+def test_the_processor_expands_the_image_token_by_the_grid(home):
+    path = resolve_model(MODEL, home)
+    config = json.loads((path / "config.json").read_text())
+    for size, grid in [((80, 100), [1, 6, 8]), ((40, 40), [1, 4, 4]), ((300, 300), [1, 6, 6])]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        assert data["image_grid_thw"].tolist() == grid  # at most 112*112 pixels: at most 16 tokens
+        assert ids.count(config["image_token_id"]) == np.prod(grid) // 4
+        assert data["pixel_values"].shape == (np.prod(grid), 3 * 2 * 14 * 14)
+    tok = vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
+    assert {t["content"] for t in tok["added_tokens"]} >= set(QWEN_TOKENS)
+
+
+def test_gemma3_images_are_four_soft_tokens_between_markers(home):
+    path = resolve_model(GEMMA, home)
+    config = json.loads((path / "config.json").read_text())
+    for size in [(80, 100), (300, 40)]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        assert data["pixel_values"].shape == (1, 3, 56, 56)  # resized, no pan-and-scan crops
+        at = ids.index(config["image_token_index"])
+        assert ids[at - 1] == config["boi_token_index"] and ids[at + 4] == config["eoi_token_index"]
+        assert ids.count(config["image_token_index"]) == 4
+
+
+def test_idefics3_images_are_tiles_of_four_tokens(home):
+    path = resolve_model(IDEFICS, home)
+    image_token = json.loads((path / "config.json").read_text())["image_token_id"]
+    seen = set()
+    for size in [(80, 100), (50, 200)]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        tiles = data["pixel_values"].shape[0]  # splits of 56 (the longest edge resized to 112) plus the global view
+        assert data["pixel_values"].shape == (tiles, 3, 56, 56) and tiles > 1
+        assert ids.count(image_token) == 4 * tiles
+        seen.add(tiles)
+    assert len(seen) == 2

@@ -1,0 +1,114 @@
+"""Shared by the vision tests: images, mlx-vlm's processor and generate (the oracle), and a driver
+that schedules encoder inputs as vLLM's scheduler does (an item when a chunk first reaches its
+placeholder and its output is not cached; a free when the test says so)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sidecar.wire.multimodal import encode_tensor
+from tests.driver import Driver
+
+pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
+
+MODEL = "builtin:tiny-qwen2-vl"
+GEMMA = "builtin:tiny-gemma3-vl"
+IDEFICS = "builtin:tiny-idefics3"
+PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
+           "gemma3": "<bos><start_of_turn>user\n{}<start_of_image><end_of_turn>\n<start_of_turn>model\n",
+           "idefics3": "<|begin_of_text|>User:{}<image><end_of_utterance>\nAssistant:"}
+
+
+def _prompt(path: Path, text: str) -> str:
+    import json
+
+    return PROMPTS[json.loads((Path(path) / "config.json").read_text())["model_type"]].format(text)
+
+
+def image(seed: int = 0, size: tuple[int, int] = (80, 100)):
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
+
+
+@lru_cache(maxsize=None)
+def _processor(path: str):
+    import json
+
+    from mlx_vlm.utils import get_model_and_args, load_processor
+
+    get_model_and_args(json.loads((Path(path) / "config.json").read_text()))  # registers mlx-vlm's processor
+    return load_processor(Path(path))
+
+
+@lru_cache(maxsize=None)
+def _model(path: str):
+    from mlx_vlm.utils import load_model
+
+    return load_model(Path(path))
+
+
+def prepare(path: Path, text: str, img) -> tuple[list[int], dict]:
+    """mlx-vlm's processor on one image: the prompt's token ids and the item's tensors."""
+    inputs = _processor(str(path))(text=[_prompt(path, text)], images=[img])
+    ids = np.array(inputs["input_ids"])[0].tolist()
+    data = {"pixel_values": np.array(inputs["pixel_values"], np.float32)}
+    if "pixel_attention_mask" in inputs:  # idefics3: [1, tiles, ...] for the one image
+        data = {"pixel_values": data["pixel_values"][0],
+                "pixel_attention_mask": np.array(inputs["pixel_attention_mask"], np.int64)[0]}
+    if "image_grid_thw" in inputs:
+        data["image_grid_thw"] = np.array(inputs["image_grid_thw"], np.int64).reshape(-1)
+    return ids, data
+
+
+def oracle(path: Path, text: str, img, n: int) -> list[int]:
+    """mlx-vlm's own generate, greedy."""
+    from mlx_vlm import generate
+
+    res = generate(_model(str(path)), _processor(str(path)), _prompt(path, text), image=[img], max_tokens=n,
+                   temperature=0.0, verbose=False)
+    return list(res.token_ids)[:n]
+
+
+def feature(ids: list[int], data: dict, identifier: str, image_token: int) -> dict:
+    """The item as vLLM places it: from the first to the last image token, is_embed on the image tokens."""
+    at = [i for i, t in enumerate(ids) if t == image_token]
+    embed = [t == image_token for t in ids[at[0]: at[-1] + 1]]
+    return {"modality": "image", "identifier": identifier, "mm_hash": identifier,
+            "mm_position": {"offset": at[0], "length": len(embed), "is_embed": None if all(embed) else embed},
+            "data": {k: encode_tensor(v) for k, v in data.items()}}
+
+
+class MMDriver(Driver):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.features: dict[str, list[dict]] = {}
+        self.encoded: set[str] = set()  # what the scheduler believes the worker's encoder cache holds
+        self.to_free: list[str] = []
+
+    def add_mm(self, rid: str, prompt: list[int], features: list[dict], **kw):
+        self.features[rid] = features
+        return self.add(rid, prompt, **kw)
+
+    def free_encoder(self, identifier: str) -> None:
+        self.encoded.discard(identifier)
+        self.to_free.append(identifier)
+
+    def build(self, chunk: int, only: list[str] | None = None) -> dict:
+        so = super().build(chunk, only)
+        for nr in so["scheduled_new_reqs"]:
+            nr["mm_features"] = self.features.get(nr["req_id"], [])
+        sched: dict[str, list[int]] = {}
+        for rid, n in so["num_scheduled_tokens"].items():
+            start = self.reqs[rid].computed
+            for j, f in enumerate(self.features.get(rid, [])):
+                p = f["mm_position"]
+                if p["offset"] < start + n and p["offset"] + p["length"] > start and f["identifier"] not in self.encoded:
+                    self.encoded.add(f["identifier"])
+                    sched.setdefault(rid, []).append(j)
+        so["scheduled_encoder_inputs"], so["free_encoder_mm_hashes"], self.to_free = sched, self.to_free, []
+        return so

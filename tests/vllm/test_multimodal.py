@@ -1,0 +1,173 @@
+"""Images through an unmodified vLLM 0.32 and a real sidecar (builtin:tiny-idefics3): vLLM's own
+processor prepares the image, our worker class sends its mm_features and encoder instructions,
+the sidecar runs mlx-vlm's model code; greedy tokens equal mlx-vlm's own generate.
+
+Idefics3 (SmolVLM's architecture) is the family served through vLLM here: vLLM's Qwen2-VL, Qwen2.5-VL
+and Gemma 3 model modules import transformers' torchvision image processors, and torchvision has
+no build for the CPU torch of vLLM's CPU wheel on the registries; the sidecar serves those
+families without vLLM (tests/engine/test_multimodal.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalFieldElem, MultiModalKwargsItem, PlaceholderRange
+from vllm.multimodal.inputs import MultiModalBatchedField
+
+from sidecar.vllm import multimodal
+from sidecar.wire.multimodal import features
+from tests.vllm.conftest import MAIN_PYTHON, WORKER_CLS, oracle, sidecar_url_config
+
+MODEL = "builtin:tiny-idefics3"
+TEXT = "Describe the sea."
+N = 8
+
+
+def test_features_convert_to_the_wire_and_back() -> None:
+    pv = torch.randn(1, 3, 56, 56)
+    item = MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(pv, MultiModalBatchedField())})
+    spec = MultiModalFeatureSpec(data=item, modality="image", identifier="lora1:abc", mm_hash="abc",
+                                 mm_position=PlaceholderRange(offset=3, length=8,
+                                                              is_embed=torch.tensor([0, 0, 1, 1, 1, 1, 0, 0]).bool()))
+    wire = multimodal.features([spec])
+    back = features(wire, "f", prompt_len=11)[0]
+    assert back.identifier == "lora1:abc" and back.mm_hash == "abc"
+    assert back.mm_position.is_embed == [False, False, True, True, True, True, False, False]
+    assert np.array_equal(back.data["pixel_values"], pv.numpy())
+    bf = MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(pv.bfloat16(), MultiModalBatchedField())})
+    spec.data = bf
+    assert features(multimodal.features([spec]), "f", 11)[0].data["pixel_values"].dtype == np.float32
+
+
+@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-gemma3-vl", "builtin:tiny-qwen2-vl"])
+def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_dir) -> None:
+    """transformers' image processor (what vLLM's processor calls) and mlx-vlm's, on the same image:
+    within 1e-6. (Qwen2-VL: its PIL image processor; the whole processor needs torchvision here.)"""
+    if not _vision_in_sidecar_venv():
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    want = oracle({"vlm": model, "text": TEXT, "image_seed": 3, "size": [70, 90], "max_tokens": 1}, "")
+    img = Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
+    if "qwen2" in model:
+        from transformers import Qwen2VLImageProcessorPil
+
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(vllm_model_dir(model))
+    else:
+        image_processor = AutoProcessor.from_pretrained(vllm_model_dir(model)).image_processor
+    got = image_processor(images=[img], return_tensors="np")["pixel_values"]
+    ref = np.asarray(want["pixel_values"], np.float32)
+    assert np.abs(got.reshape(ref.shape) - ref).max() <= 1e-6
+
+
+def _vision_in_sidecar_venv() -> bool:
+    return subprocess.run([MAIN_PYTHON, "-c", "import mlx_vlm"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def engine(home: str, vllm_model_dir):
+    if not _vision_in_sidecar_venv():
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    from vllm import LLM
+
+    from tests.server.serverproc import start_server
+
+    with start_server("--model", MODEL) as server:
+        llm = LLM(model=vllm_model_dir(MODEL), worker_cls=WORKER_CLS, additional_config=sidecar_url_config(server.url),
+                  block_size=16, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=64 * 16 * 2 * 32 * 4 * 2, enable_prefix_caching=True, enforce_eager=True,
+                  disable_log_stats=False, seed=0, limit_mm_per_prompt={"image": 2})
+        try:
+            yield llm, server
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def _image(seed: int, size=(80, 100), text: str = TEXT) -> tuple[dict, object]:
+    from PIL import Image
+
+    want = oracle({"vlm": MODEL, "text": text, "image_seed": seed, "size": list(size), "max_tokens": N}, "")
+    return want, Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
+
+
+def counter(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def _encoder_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("mlx_worker_encoder")}
+
+
+def test_generate_with_images_equals_mlx_vlm_and_a_repeated_image_runs_the_encoder_once(engine) -> None:
+    from vllm import SamplingParams
+
+    llm, server = engine
+    a, img_a = _image(0)
+    a2, _ = _image(0, text="Look at it.")
+    b, img_b = _image(4, (120, 60))
+
+    def prompt(text: str) -> str:
+        return "<|begin_of_text|>User:" + text + "<image><end_of_utterance>\nAssistant:"
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+    before = _encoder_metrics(server.url)
+    hits = counter(llm, "vllm:mm_cache_hits")
+    outs = llm.generate([{"prompt": prompt(TEXT), "multi_modal_data": {"image": img_a}},
+                         {"prompt_token_ids": list(range(5, 40))},
+                         {"prompt": prompt(TEXT), "multi_modal_data": {"image": img_b}}], greedy, use_tqdm=False)
+    assert list(outs[0].prompt_token_ids) == a["prompt"]  # vLLM's processor made mlx-vlm's prompt
+    assert list(outs[0].outputs[0].token_ids) == a["tokens"]
+    assert list(outs[2].outputs[0].token_ids) == b["tokens"] != a["tokens"]
+    # the same image after other text (no prefix-cache hit): vLLM schedules no encoder input for it
+    again = llm.generate([{"prompt": prompt("Look at it."), "multi_modal_data": {"image": img_a}},
+                          {"prompt": prompt(TEXT), "multi_modal_data": {"image": img_a}}], greedy, use_tqdm=False)
+    assert list(again[0].outputs[0].token_ids) == a2["tokens"] and list(again[1].outputs[0].token_ids) == a["tokens"]
+    after = _encoder_metrics(server.url)
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["mlx_worker_encoder_runs_total"] == 2  # img_a once for the three requests that carry it
+    assert d["mlx_worker_encoder_cache_hits_total"] >= 2
+    assert counter(llm, "vllm:mm_cache_hits") - hits >= 2  # vLLM saw the same image content again
+
+
+def test_chat_completions_with_an_image_data_url(engine) -> None:
+    llm, _ = engine
+    want, _ = _image(7)
+    url = "data:image/png;base64," + want["png"]
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": TEXT},
+                                                 {"type": "image_url", "image_url": {"url": url}}]}],
+                   __import__("vllm").SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    assert list(out[0].prompt_token_ids) == want["prompt"]
+    assert list(out[0].outputs[0].token_ids) == want["tokens"]
+
+
+def test_openai_chat_completions_with_an_image_data_url(home: str, vllm_model_dir, tmp_path) -> None:
+    """The OpenAI server's /v1/chat/completions, image_url content as a data URL (no network)."""
+    if not _vision_in_sidecar_venv():
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    from tests.server.serverproc import start_server
+    from tests.vllm.test_openai_server import api_server
+
+    want, _ = _image(9, (90, 70))
+    content = [{"type": "text", "text": TEXT},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64," + want["png"]}}]
+    with start_server("--model", MODEL) as sidecar, \
+            api_server(vllm_model_dir(MODEL), sidecar.url, "tiny-vl", tmp_path / "api.log") as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "tiny-vl", "messages": [{"role": "user", "content": content}], "max_tokens": N,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}, timeout=300)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["prompt_token_ids"] == want["prompt"]
+        assert body["choices"][0]["token_ids"] == want["tokens"]
+        metrics = _encoder_metrics(sidecar.url)
+        assert metrics["mlx_worker_encoder_runs_total"] == 1
