@@ -238,15 +238,11 @@ class Scheduler:
                 cached.append((req, list(req.block_table), True))
             else:
                 req.sent = True
-                new_reqs.append({
-                    "req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
-                    "sampling_params": req.wire_sampling_params(), "block_ids": [list(req.block_table)],
-                    "num_computed_tokens": num_computed, "lora_request": None, "mm_features": req.mm_features,
-                } if req.pooling_params is None else {
-                    "req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
-                    "pooling_params": req.pooling_params, "block_ids": [list(req.block_table)],
-                    "num_computed_tokens": num_computed,
-                })
+                new_reqs.append({"req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
+                                 "block_ids": [list(req.block_table)], "num_computed_tokens": num_computed,
+                                 **({"sampling_params": req.wire_sampling_params(), "lora_request": None,
+                                     "mm_features": req.mm_features} if req.pooling_params is None
+                                    else {"pooling_params": req.pooling_params})})
 
         finished, self._finished_ids = self._finished_ids, []
         for req_id in finished:
