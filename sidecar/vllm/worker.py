@@ -27,6 +27,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from sidecar.client.remote import RemoteError, RemoteWorker
 from sidecar.vllm import convert
+from sidecar.vllm.async_steps import AsyncSteps
 from sidecar.vllm.convert import Unsupported
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class MLXSidecarWorker(WorkerBase):
         self._loras: set[int] = set()
         self._deferred = False
         self._step_id = 1  # exactly-once steps: a step whose reply was lost is resent with its number
+        # vLLM's --async-scheduling: steps sent ahead of their replies (sidecar/vllm/async_steps.py)
+        self._async = AsyncSteps(self.remote) if vllm_config.scheduler_config.async_scheduling else None
+        self._pending: Any = None
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return self.remote.call(method, **kwargs)
@@ -94,7 +98,10 @@ class MLXSidecarWorker(WorkerBase):
                                   "mlx-lm directory with the model's tokenizer)") from e
             raise
         self._loras.clear()
-        log.info("MLX sidecar at %s initialised (%s)", self.remote.url, config)
+        if self._async is not None:
+            self._async.reset()
+        log.info("MLX sidecar at %s initialised (%s%s)", self.remote.url, config,
+                 ", async scheduling" if self._async is not None else "")
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self._call("load_model")
@@ -139,6 +146,15 @@ class MLXSidecarWorker(WorkerBase):
     def execute_model(self, scheduler_output: Any) -> Any:
         self._load_loras(scheduler_output)
         wire = convert.scheduler_output(scheduler_output)
+        if self._async is not None:
+            if not scheduler_output.has_structured_output_requests:
+                out = self._async.execute(wire, self._step_id, convert.model_runner_output)
+                self._step_id += 1
+                if not scheduler_output.total_num_scheduled_tokens:
+                    return out  # vLLM reads an empty step's output from execute_model
+                self._pending = out
+                return None  # its output comes from sample_tokens
+            self._async.drain()  # a grammar step runs on its own (two phases)
         if scheduler_output.has_structured_output_requests:
             self._call("execute_model", scheduler_output=wire, defer_sampling=True, step_id=self._step_id)
             self._deferred = True
@@ -148,6 +164,9 @@ class MLXSidecarWorker(WorkerBase):
         return convert.model_runner_output(out)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
         if not self._deferred:
             raise RuntimeError("sample_tokens without a deferred execute_model")
         out = self._call("sample_tokens", grammar_output=convert.grammar_output(grammar_output), step_id=self._step_id)
@@ -227,4 +246,6 @@ class MLXSidecarWorker(WorkerBase):
 
     def shutdown(self) -> None:
         # The sidecar keeps its model (another vLLM may re-initialise it); only the connection closes.
+        if self._async is not None:
+            self._async.close()
         self.remote.close()
