@@ -28,6 +28,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from sidecar.client.remote import RemoteError, RemoteWorker
 from sidecar.vllm import convert
 from sidecar.vllm.async_steps import AsyncSteps
+from sidecar.vllm.progress import heartbeat, warm_up_shape
 from sidecar.vllm.convert import Unsupported
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class MLXSidecarWorker(WorkerBase):
         cc = self.cache_config
         if cc.kv_cache_memory_bytes is not None:
             return self._call("determine_available_memory", kv_cache_memory_bytes=int(cc.kv_cache_memory_bytes))
-        return self._call("determine_available_memory", gpu_memory_utilization=float(cc.gpu_memory_utilization))
+        with heartbeat("measuring activation memory with " + warm_up_shape(self.scheduler_config)):
+            return self._call("determine_available_memory", gpu_memory_utilization=float(cc.gpu_memory_utilization))
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         self._call("initialize_from_config", kv_cache_config=convert.kv_cache_config(kv_cache_config))
@@ -126,7 +128,8 @@ class MLXSidecarWorker(WorkerBase):
         self._call("initialize_cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(**self._call("compile_or_warm_up_model", compilation_times=True))
+        with heartbeat("warming up with " + warm_up_shape(self.scheduler_config)):
+            return CompilationTimes(**self._call("compile_or_warm_up_model", compilation_times=True))
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
