@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.mlx_sidecar")  # vLLM shows its own loggers' output only
 
 WORKER_CLS = "sidecar.vllm.worker.MLXSidecarWorker"
 BLOCK_SIZE = 16

@@ -15,7 +15,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-log = logging.getLogger("sidecar.vllm.worker")
+# Under "vllm.": vLLM configures only its own loggers, so this is where its output shows.
+log = logging.getLogger("vllm.mlx_sidecar")
 
 
 @contextmanager

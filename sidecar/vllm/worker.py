@@ -31,7 +31,7 @@ from sidecar.vllm.async_steps import AsyncSteps
 from sidecar.vllm.progress import heartbeat, warm_up_shape
 from sidecar.vllm.convert import Unsupported
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.mlx_sidecar")  # vLLM shows its own loggers' output only
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -8,11 +8,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from sidecar.vllm.progress import heartbeat, warm_up_shape
+from sidecar.vllm.progress import heartbeat, log, warm_up_shape
+
+
+@pytest.fixture
+def caplog(caplog: pytest.LogCaptureFixture):
+    """On vLLM's logger (which vLLM keeps from propagating to the root, where caplog listens)."""
+    log.addHandler(caplog.handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    yield caplog
+    log.setLevel(level)
+    log.removeHandler(caplog.handler)
 
 
 def test_heartbeat_logs_while_the_call_runs_and_stops_after(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="sidecar.vllm.worker")
     with heartbeat("warming up", every=0.05):
         time.sleep(0.3)
     beats = [r.getMessage() for r in caplog.records if "still warming up" in r.getMessage()]
