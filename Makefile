@@ -65,7 +65,7 @@ VLLM_MLX_STAMP := $(VLLM_MLX_VENV)/.installed-stamp
 $(VLLM_MLX_STAMP):
 	$(PYTHON) -m venv $(VLLM_MLX_VENV)
 	$(VLLM_MLX_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_MLX_VENV)/bin/python -m pip install -q vllm-mlx==0.6.0
+	$(VLLM_MLX_VENV)/bin/python -m pip install -q vllm-mlx==0.6.0 "mlx[cpu]; sys_platform == 'linux'"  # Linux: MLX's CPU backend
 	touch $(VLLM_MLX_STAMP)
 
 install-vllm-mlx: $(VLLM_MLX_STAMP)
