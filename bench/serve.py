@@ -238,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     runs.append({**bench_once(side, c, args, work), "round": rnd})
                     r = runs[-1]
                     print(f"round {rnd} {side.name:>12} c={c:<3} {r['tok_s']:7.0f} tok/s  TTFT {r['median_ttft_ms']:6.1f} "
-                          f"ms  TPOT {r['median_tpot_ms']:5.1f} ms  CPU {r['cpu_s_per_token'] * 1e3:5.2f} ms/token",
+                          f"ms  TPOT {r['median_tpot_ms']:5.1f} ms  CPU {r['cpu_s_per_token'] * 1e3:5.2f} ms/token"
+                          + (f"  ({r['failed']} requests FAILED: see the side's log)" if r["failed"] else ""),
                           flush=True)
     finally:
         for side in started:
