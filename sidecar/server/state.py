@@ -31,7 +31,8 @@ class Sidecar:
     preload_error: str | None = field(default=None)
     startup: Startup = field(default_factory=Startup)  # the preload's running stage, if any
     instance: Instance = field(default_factory=Instance)
-    steps: StepLedger = field(default_factory=StepLedger)
+    # two kept: with two steps in flight (pipelined), a lost reply of the older one can still be resent
+    steps: StepLedger = field(default_factory=lambda: StepLedger(window=2))
     sequencer: StepSequencer = field(default_factory=StepSequencer)  # two steps in flight over two connections
     _dropped_queued: bool = False
 

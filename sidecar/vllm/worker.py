@@ -27,10 +27,12 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from sidecar.client.remote import RemoteError, RemoteWorker
 from sidecar.vllm import convert, dp
+from sidecar.vllm.async_steps import AsyncSteps
+from sidecar.vllm.progress import heartbeat, warm_up_shape
 from sidecar.vllm.convert import Unsupported
 from sidecar.vllm.recovery import Recovering
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.mlx_sidecar")  # vLLM shows its own loggers' output only
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 KNOWN_KEYS = ("url", "urls", "auth_token", "auth_token_file", "timeout", "recover_timeout")
@@ -82,6 +84,9 @@ class MLXSidecarWorker(WorkerBase):
         self._loras: set[int] = set()
         self._deferred = False
         self._step_id = 1  # exactly-once steps: a step whose reply was lost is resent with its number
+        # vLLM's --async-scheduling: steps sent ahead of their replies (sidecar/vllm/async_steps.py)
+        self._async = AsyncSteps(self.remote) if vllm_config.scheduler_config.async_scheduling else None
+        self._pending: Any = None
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return self.sidecar.call(method, **kwargs)
@@ -110,7 +115,10 @@ class MLXSidecarWorker(WorkerBase):
                                   "mlx-lm directory with the model's tokenizer)") from e
             raise
         self._loras.clear()
-        log.info("MLX sidecar at %s initialised (%s)", self.remote.url, config)
+        if self._async is not None:
+            self._async.reset()
+        log.info("MLX sidecar at %s initialised (%s%s)", self.remote.url, config,
+                 ", async scheduling" if self._async is not None else "")
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self._call("load_model")
@@ -126,7 +134,8 @@ class MLXSidecarWorker(WorkerBase):
         cc = self.cache_config
         if cc.kv_cache_memory_bytes is not None:
             return self._call("determine_available_memory", kv_cache_memory_bytes=int(cc.kv_cache_memory_bytes))
-        return self._call("determine_available_memory", gpu_memory_utilization=float(cc.gpu_memory_utilization))
+        with heartbeat("measuring activation memory with " + warm_up_shape(self.scheduler_config)):
+            return self._call("determine_available_memory", gpu_memory_utilization=float(cc.gpu_memory_utilization))
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         self._call("initialize_from_config", kv_cache_config=convert.kv_cache_config(kv_cache_config))
@@ -135,7 +144,8 @@ class MLXSidecarWorker(WorkerBase):
         self._call("initialize_cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(**self._call("compile_or_warm_up_model", compilation_times=True))
+        with heartbeat("warming up with " + warm_up_shape(self.scheduler_config)):
+            return CompilationTimes(**self._call("compile_or_warm_up_model", compilation_times=True))
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         if self.model_config.runner_type != "pooling":
@@ -161,6 +171,16 @@ class MLXSidecarWorker(WorkerBase):
         meta = getattr(scheduler_output, "kv_connector_metadata", None)
         if hasattr(meta, "step_fields"):  # the disk KV tier's loads and saves (sidecar.vllm.kv_connector)
             wire.update(meta.step_fields())
+        if self._async is not None:
+            # Requests the sidecar must see as new after a recovery go one step at a time (recovery.py).
+            if not scheduler_output.has_structured_output_requests and not self.sidecar.fresh:
+                out = self._async.execute(wire, self._step_id, self._async_output(wire))
+                self._step_id += 1
+                if not scheduler_output.total_num_scheduled_tokens:
+                    return out  # vLLM reads an empty step's output from execute_model
+                self._pending = out
+                return None  # its output comes from sample_tokens
+            self._async.drain()  # a grammar step runs on its own (two phases)
         if scheduler_output.has_structured_output_requests:
             self._call("execute_model", scheduler_output=wire, defer_sampling=True, step_id=self._step_id)
             self._deferred = True
@@ -168,6 +188,13 @@ class MLXSidecarWorker(WorkerBase):
         out = self._call("execute_model", scheduler_output=wire, step_id=self._step_id)
         self._step_id += 1  # only once applied: a rejected step changed nothing and keeps its number
         return self._output(out)
+
+    def _async_output(self, wire: dict) -> Any:
+        def output(out: dict) -> Any:  # replies are read in step order: the recovery record follows them
+            self.sidecar.instance = self.remote.instance_id
+            self.sidecar._applied(wire, out)
+            return self._output(out)
+        return output
 
     @staticmethod
     def _output(out: dict) -> Any:
@@ -180,6 +207,9 @@ class MLXSidecarWorker(WorkerBase):
         return result
 
     def sample_tokens(self, grammar_output: Any) -> Any:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
         if not self._deferred:
             raise RuntimeError("sample_tokens without a deferred execute_model")
         out = self._call("sample_tokens", grammar_output=convert.grammar_output(grammar_output), step_id=self._step_id)
@@ -262,4 +292,6 @@ class MLXSidecarWorker(WorkerBase):
 
     def shutdown(self) -> None:
         # The sidecar keeps its model (another vLLM may re-initialise it); only the connection closes.
+        if self._async is not None:
+            self._async.close()
         self.remote.close()

@@ -16,6 +16,9 @@ from tests.server.serverproc import ROOT
 MAIN_PYTHON = os.environ.get("MLX_SIDECAR_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
 os.environ["MLX_SIDECAR_PYTHON"] = MAIN_PYTHON  # serverproc starts the sidecar with it
 WORKER_CLS = "sidecar.vllm.worker.MLXSidecarWorker"
+# The suite runs on this package's vLLM platform (sidecar/vllm/platform.py: async scheduling allowed);
+# test_plugin.py runs plain vLLM (its CPU platform, --worker-cls alone) in a process of its own.
+os.environ["MLX_SIDECAR_PLATFORM"] = "1"
 
 
 @pytest.fixture(scope="session")

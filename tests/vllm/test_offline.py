@@ -2,6 +2,7 @@
 
 The KV budget (14 blocks of 16 tokens) and max_num_batched_tokens (32) are small enough that the
 run needs chunked prefill, preemption with resume and prefix-cache hits, each shown by a counter.
+Each case runs with vLLM's async scheduling (two steps in flight) and without.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def prompts(seed: int) -> list[list[int]]:
     return ps
 
 
-@pytest.fixture(scope="module", params=["builtin:tiny", "builtin:tiny-qwen3"])
+@pytest.fixture(scope="module", params=[("builtin:tiny", False), ("builtin:tiny", True), ("builtin:tiny-qwen3", True)],
+                ids=["tiny-sync", "tiny-async", "tiny-qwen3-async"])
 def engine(request: pytest.FixtureRequest, home: str, vllm_model_dir, tmp_path_factory: pytest.TempPathFactory):
-    name = request.param
+    name, async_scheduling = request.param
     loras = tmp_path_factory.mktemp("loras")
     oracle({"model": name, "make_adapter": str(loras / "one"), "seed": 1}, home)
     with start_server("--model", name, "--lora-dir", str(loras)) as server:
@@ -41,7 +43,9 @@ def engine(request: pytest.FixtureRequest, home: str, vllm_model_dir, tmp_path_f
                   enable_lora=True, max_lora_rank=8, max_loras=1,
                   kv_cache_memory_bytes=14 * BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=8,
                   max_num_batched_tokens=32, enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False,
-                  seed=0, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+                  seed=0, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+                  async_scheduling=async_scheduling)
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
         try:
             yield name, llm, server, loras
         finally:
