@@ -1,5 +1,5 @@
 """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server --worker-cls ...`) as a real
-process for the data-parallel and recovery tests, and the streams they read from it."""
+process for the tests that need one, and the streams they read from it."""
 
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ class Api:
 
 @contextlib.contextmanager
 def api_server(model_dir: str, additional_config: dict, log: Path, *args: str, env: dict | None = None,
-               wait: bool = True) -> Iterator[Api]:
+               wait: bool = True, served: str = "m") -> Iterator[Api]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--worker-cls", WORKER_CLS,
            "--additional-config", json.dumps(additional_config), "--host", "127.0.0.1", "--port", str(port),
-           "--block-size", "16", "--enforce-eager", "--served-model-name", "m", *args]
+           "--block-size", "16", "--enforce-eager", "--served-model-name", served, *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                 start_new_session=True)

@@ -4,10 +4,6 @@ over a real sidecar: /v1/completions and streaming /v1/chat/completions give mlx
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -15,8 +11,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.server.serverproc import ROOT, free_port, start_server
-from tests.vllm.conftest import WORKER_CLS, oracle, sidecar_url_config
+from tests.server.serverproc import start_server
+from tests.vllm import apiserver
+from tests.vllm.conftest import oracle, sidecar_url_config
 
 N = 10
 
@@ -24,36 +21,9 @@ N = 10
 @contextmanager
 def api_server(model: str, sidecar_url: str, served: str, log: Path, *flags: str) -> Iterator[str]:
     """vLLM's OpenAI server over the sidecar at `sidecar_url`; yields its URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--worker-cls", WORKER_CLS,
-           "--additional-config", json.dumps(sidecar_url_config(sidecar_url)), "--host", "127.0.0.1",
-           "--port", str(port), "--kv-cache-memory-bytes", str(1 << 20), "--block-size", "16",
-           "--max-model-len", "256", "--enforce-eager", "--served-model-name", served, *flags]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(log.read_text()[-4000:])
-            time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    with apiserver.api_server(model, sidecar_url_config(sidecar_url), log, "--kv-cache-memory-bytes", str(1 << 20),
+                              "--max-model-len", "256", *flags, served=served) as api:
+        yield api.url
 
 
 @pytest.fixture(scope="module")

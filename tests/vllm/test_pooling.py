@@ -9,12 +9,7 @@ budget exercise both."""
 from __future__ import annotations
 
 import base64
-import json
-import os
 import random
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
@@ -22,7 +17,8 @@ import pytest
 from vllm import LLM
 from vllm.pooling_params import PoolingParams
 
-from tests.server.serverproc import ROOT, free_port, start_server
+from tests.server.serverproc import start_server
+from tests.vllm import apiserver
 from tests.vllm.conftest import WORKER_CLS, oracle, sidecar_url_config
 
 EMBED, CLASSIFY = "builtin:tiny-embed", "builtin:tiny-classify"
@@ -94,38 +90,10 @@ def test_offline_embed_classify_and_score(engine, home: str) -> None:
 def api(request: pytest.FixtureRequest, home: str, vllm_model_dir, tmp_path_factory: pytest.TempPathFactory):
     name = request.param
     log = tmp_path_factory.mktemp("api") / "api_server.log"
-    with start_server("--model", name) as sidecar:
-        port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir(name),
-               "--runner", "pooling", "--worker-cls", WORKER_CLS,
-               "--additional-config", json.dumps(sidecar_url_config(sidecar.url)), "--host", "127.0.0.1",
-               "--port", str(port), "--kv-cache-memory-bytes", str(1 << 20), "--block-size", "16",
-               "--max-model-len", "128", "--enforce-eager", "--served-model-name", "m"]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
-                                    start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 400
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(log.read_text()[-4000:])
-                time.sleep(1)
-            yield name, url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    with start_server("--model", name) as sidecar, apiserver.api_server(
+            vllm_model_dir(name), sidecar_url_config(sidecar.url), log, "--runner", "pooling",
+            "--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "128") as server:
+        yield name, server.url
 
 
 def test_openai_embeddings_score_and_rerank(api, home: str) -> None:
