@@ -65,7 +65,11 @@ class Output(AsyncModelRunnerOutput):
         self.reply, self.convert = reply, convert
 
     def get_output(self) -> ModelRunnerOutput:
-        return self.convert(self.reply.result())
+        try:
+            out = self.reply.result()
+        except _LOST as e:  # the sidecar is gone (resends spent): the caller names it
+            return self.convert(e)
+        return self.convert(out)
 
 
 class AsyncSteps:

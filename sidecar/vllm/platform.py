@@ -16,7 +16,9 @@ changes what only made sense for a local model:
 
 Speculative decoding: the sidecar proposes the drafts after each step, which vLLM only takes
 between steps, so with a `speculative_config` async scheduling is turned off (logged) and steps
-run one at a time. With another `--worker-cls` this platform is exactly vLLM's CPU platform.
+run one at a time; so do pooling models (`--runner pooling`) and a `--kv-transfer-config` (the disk
+KV tier's connector: a failed load rewinds a request). With another `--worker-cls` this
+platform is exactly vLLM's CPU platform.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ class MLXSidecarPlatform(CpuPlatform):
         if sc.async_scheduling and vllm_config.speculative_config is not None:
             log.warning("MLX sidecar: speculative decoding runs with async scheduling off (the sidecar's drafts "
                         "reach vLLM between steps): steps run one at a time")
+            sc.async_scheduling = False
+        one_at_a_time = [why for why, on in (
+            ("pooling (vLLM reads pooled outputs from execute_model)",
+             getattr(vllm_config.model_config, "runner_type", None) == "pooling"),
+            ("a KV connector (a failed load rewinds a request the next step was scheduled past)",
+             vllm_config.kv_transfer_config is not None)) if on]
+        if sc.async_scheduling and one_at_a_time:
+            log.info("MLX sidecar: async scheduling off for %s", "; ".join(one_at_a_time))
             sc.async_scheduling = False
         log.info("MLX sidecar platform: worker %s, async scheduling %s, block size %d, executor %s",
                  WORKER_CLS, "on" if sc.async_scheduling else "off", cc.block_size, pc.distributed_executor_backend)

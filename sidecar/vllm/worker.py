@@ -30,7 +30,7 @@ from sidecar.vllm import convert, dp
 from sidecar.vllm.async_steps import AsyncSteps
 from sidecar.vllm.progress import heartbeat, warm_up_shape
 from sidecar.vllm.convert import Unsupported
-from sidecar.vllm.recovery import Recovering
+from sidecar.vllm.recovery import Recovering, SidecarLost
 
 log = logging.getLogger("vllm.mlx_sidecar")  # vLLM shows its own loggers' output only
 
@@ -190,7 +190,10 @@ class MLXSidecarWorker(WorkerBase):
         return self._output(out)
 
     def _async_output(self, wire: dict) -> Any:
-        def output(out: dict) -> Any:  # replies are read in step order: the recovery record follows them
+        def output(out: dict | BaseException) -> Any:  # replies are read in step order: the record follows them
+            if isinstance(out, BaseException):  # recovery replays one step at a time, not two in flight
+                raise SidecarLost(f"{self.sidecar.where} was lost with steps in flight ({out}); sidecar restarts "
+                                  "are recovered with --no-async-scheduling") from out
             self.sidecar.instance = self.remote.instance_id
             self.sidecar._applied(wire, out)
             return self._output(out)
