@@ -32,6 +32,7 @@ def model_dir(name: str, home: str | None = None, dest: str | None = None) -> Pa
              vlm_files(builtin, train_tokenizer) if builtin in VLM_MODELS else None)
     if files is not None:
         for filename, content in files.items():
+            (out / filename).parent.mkdir(exist_ok=True)  # sentence-transformers' 1_Pooling/
             (out / filename).write_text(json.dumps(content, indent=2) + "\n")
         return out.resolve()
     src = resolve_model(name, home)  # a local directory (or an unknown built-in: ModelNotFound)
