@@ -19,6 +19,13 @@ def test_export_of_a_builtin_has_the_sidecars_config_and_tokenizer_and_no_weight
     assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
 
 
+def test_export_of_an_embedding_builtin_has_its_sentence_transformers_pooling(home: str, tmp_path: Path) -> None:
+    out = model_dir("builtin:tiny-embed", home, str(tmp_path / "vllm-side"))
+    modules = json.loads((out / "modules.json").read_text())
+    assert any(m.get("type", "").endswith("Pooling") for m in modules)
+    assert json.loads((out / "1_Pooling" / "config.json").read_text())["pooling_mode_lasttoken"] is True
+
+
 def test_export_of_a_directory_copies_what_vllm_reads(home: str, tmp_path: Path) -> None:
     src = resolve_model("builtin:tiny-qwen3", home)
     out = model_dir(str(src), home, str(tmp_path / "copy"))
