@@ -23,7 +23,7 @@ from tests.vllm.proxy import CuttingProxy
 MODEL = "builtin:tiny"
 LIMITS = ("--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "512", "--max-num-seqs", "16",
           "--max-num-batched-tokens", "64",
-          "--no-async-scheduling")  # recovery replays one step at a time (README, Sidecar restarts)
+          "--no-async-scheduling")  # recovery replays one step at a time (docs/vllm.md, Sidecar restarts)
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:
