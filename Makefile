@@ -70,7 +70,7 @@ $(VLLM_STAMP): pyproject.toml
 
 install-vllm: $(VLLM_STAMP)
 
-test-vllm: install install-vllm
+test-vllm: install install-vllm install-vision  # the image tests need the sidecar side of the vision extra
 	$(VLLM_PY) -m pytest -q -c tests/vllm/pytest.ini tests/vllm $(ARGS)
 
 # vLLM + the sidecar against vllm-mlx and mlx_lm.server, with vLLM's own client (bench/serve.py):
