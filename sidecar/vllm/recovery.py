@@ -121,10 +121,10 @@ class Recovering:
             if kwargs.get("defer_sampling"):
                 self.deferred = kwargs
             else:
-                self._applied(kwargs["scheduler_output"], result)
+                self.applied(kwargs["scheduler_output"], result)
         elif method == "sample_tokens":
             if self.deferred is not None:
-                self._applied(self.deferred["scheduler_output"], result)
+                self.applied(self.deferred["scheduler_output"], result)
             self.deferred = None
         elif method == "add_lora" and kwargs.get("lora_request"):
             self.loras[kwargs["lora_request"]["lora_int_id"]] = kwargs["lora_request"]
@@ -136,7 +136,9 @@ class Recovering:
         elif method == "wake_up":
             self.sleeping = None
 
-    def _applied(self, so: dict, out: dict) -> None:
+    def applied(self, so: dict, out: dict) -> None:
+        """A step the current instance applied (also for steps sent outside `call`: async ones)."""
+        self.instance = self.remote.instance_id
         if self.broken:
             return
         try:

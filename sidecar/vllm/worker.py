@@ -194,8 +194,7 @@ class MLXSidecarWorker(WorkerBase):
             if isinstance(out, BaseException):  # recovery replays one step at a time, not two in flight
                 raise SidecarLost(f"{self.sidecar.where} was lost with steps in flight ({out}); sidecar restarts "
                                   "are recovered with --no-async-scheduling") from out
-            self.sidecar.instance = self.remote.instance_id
-            self.sidecar._applied(wire, out)
+            self.sidecar.applied(wire, out)
             return self._output(out)
         return output
 
