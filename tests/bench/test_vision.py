@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 

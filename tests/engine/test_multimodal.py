@@ -13,6 +13,8 @@ from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
 from tests.vision import GEMMA, IDEFICS, MODEL, MMDriver, feature, image, oracle, prepare
 
+pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
+
 N = 8
 
 

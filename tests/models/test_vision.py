@@ -11,6 +11,7 @@ import pytest
 from sidecar.models import resolve_model
 from sidecar.models.vision import SERVED, is_served, model_type
 
+pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from tests.vision import MODEL, image, prepare  # noqa: E402

@@ -12,6 +12,7 @@ from sidecar.models import resolve_model
 from sidecar.models.builtin import train_tokenizer
 from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 
+pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from tests.vision import GEMMA, IDEFICS, MODEL, image, prepare  # noqa: E402

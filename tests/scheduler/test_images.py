@@ -14,6 +14,7 @@ from sidecar.scheduler.images import EncoderSchedule, salt
 from sidecar.scheduler.scheduler import Request, Scheduler, run
 from tests.server.serverproc import start_server
 
+pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from tests.vision import MODEL, image, oracle  # noqa: E402
