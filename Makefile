@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
+# Some machines export PYTHONDONTWRITEBYTECODE=1: then every test run and every server a test starts
+# compiles the package and rewrites the tests' asserts from source again (seconds per run).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install serve test test-bench test-distributed bench fuzz clean install-vllm test-vllm install-vision test-vision install-vllm-mlx bench-serve
 

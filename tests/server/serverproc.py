@@ -114,13 +114,22 @@ def _has_flag(flags: tuple[str, ...], name: str) -> bool:
     return any(f == name or f.startswith(name + "=") for f in flags)
 
 
+# Start-up shapes for a test's server unless its flags name them: the profile run and warm-up at
+# the defaults (a 2048-token prefill, 64 decode rows) cost seconds per server on a CPU and exercise
+# nothing a test checks with a few short requests (steps up to max_model_len are still accepted).
+TEST_SHAPES = {"--max-num-batched-tokens": "256", "--max-num-seqs": "8"}
+
+
 def spawn(*flags: str, env: Mapping[str, str | None] | None = None) -> Server:
     """Start `python -m sidecar serve <flags>` without waiting for it. A free `--port` is added
-    unless the flags give `--port` or `--uds`. `env` entries override the inherited environment
-    (None removes a variable)."""
+    unless the flags give `--port` or `--uds`, and TEST_SHAPES unless they give their own. `env`
+    entries override the inherited environment (None removes a variable)."""
     workdir = Path(tempfile.mkdtemp(prefix="sidecar-server-"))
     atexit.register(shutil.rmtree, workdir, True)
     args = list(flags)
+    for flag, value in TEST_SHAPES.items():
+        if not _has_flag(flags, flag):
+            args += [flag, value]
     uds = None
     if _has_flag(flags, "--uds"):
         i = next(i for i, f in enumerate(flags) if f.startswith("--uds"))
