@@ -283,7 +283,7 @@ def random_workload(seed: int):
 
 def test_random_workloads_match_solo_runs_without_leaks():
     totals = {"preempted": 0, "resumed_hits": 0, "new_hits": 0, "chunks": 0}
-    for seed in range(150):
+    for seed in range(60):  # the totals below check that these seeds reach every path
         reqs, kw = random_workload(seed)
         expected = {r.req_id: solo(r, eos=(0,)) for _, r in reqs}
         sched, worker = make_scheduler(**kw)
