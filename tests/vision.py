@@ -16,9 +16,11 @@ from tests.driver import Driver
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 MODEL = "builtin:tiny-qwen2-vl"
+QWEN25 = "builtin:tiny-qwen2.5-vl"
 GEMMA = "builtin:tiny-gemma3-vl"
 IDEFICS = "builtin:tiny-idefics3"
-PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
+QWEN = "<|im_start|>user\n{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+PROMPTS = {"qwen2_vl": QWEN, "qwen2_5_vl": QWEN,
            "gemma3": "<bos><start_of_turn>user\n{}<start_of_image><end_of_turn>\n<start_of_turn>model\n",
            "idefics3": "<|begin_of_text|>User:{}<image><end_of_utterance>\nAssistant:"}
 
