@@ -20,12 +20,11 @@ import numpy as np
 from sidecar.wire.multimodal import encode_tensor
 
 
-def salt(features: list[dict]) -> bytes | None:
-    """What a request's block hashes start from: its items' identifiers (a prefix-cache hit then
-    needs the same images, not only the same placeholder tokens)."""
-    if not features:
-        return None
-    return hashlib.sha256("\0".join(f["identifier"] for f in features).encode()).digest()
+def spans(features: list[dict]) -> list[tuple[int, int, str]]:
+    """(offset, length, identifier) of each item's placeholder: what a block's hash takes besides
+    its tokens (blocks.py), so a prefix-cache hit needs the same images, not only the same
+    placeholder tokens, while text before the first image is shared with any request."""
+    return [(f["mm_position"]["offset"], f["mm_position"]["length"], f["identifier"]) for f in features]
 
 
 class EncoderSchedule:

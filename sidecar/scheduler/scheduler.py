@@ -71,8 +71,9 @@ class Request:
             raise ValueError(f"request {self.req_id!r}: min_tokens must be in [0, max_tokens]")
 
     @property
-    def hash_salt(self) -> bytes | None:
-        return images.salt(self.mm_features)
+    def mm_spans(self) -> list[tuple[int, int, str]]:
+        """Its images' placeholders and identifiers, which its block hashes take (blocks.py)."""
+        return images.spans(self.mm_features)
 
     @property
     def min_tokens(self) -> int:

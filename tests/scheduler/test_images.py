@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sidecar.models import resolve_model
-from sidecar.scheduler.images import EncoderSchedule, salt
+from sidecar.scheduler.images import EncoderSchedule, spans
 from sidecar.scheduler.scheduler import Request, Scheduler, run
 from tests.server.serverproc import start_server
 
@@ -33,7 +33,7 @@ def test_encoder_schedule_runs_each_identifier_once_and_frees_the_unneeded_past_
     assert e.schedule([("r2", b, 4, 10)]) == {"r2": [1]}
     assert e.evict(needed={"x", "y"}) == []  # both still needed: over the bound, kept
     assert e.evict(needed={"y"}) == ["x"] and list(e.held) == ["y"]
-    assert salt([]) is None and salt(a) != salt(b) and salt(a) == salt([_item("x", 9, 1)])
+    assert spans([]) == [] and spans(b) == [(2, 8, "x"), (12, 4, "y")]
 
 
 def _png(tmp_path, seed: int, size=(80, 100)):
