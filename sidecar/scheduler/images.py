@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -60,21 +61,19 @@ class EncoderSchedule:
         return out
 
 
-def prepare(model_path: str | Path, prompt: str, images: list[str | Path]) -> tuple[list[int], list[dict]]:
-    """Token ids and wire items for `prompt` with `images` (after the text, in order), by mlx-vlm's
-    processor and the model's chat template. Each item's identifier is a hash of its file's bytes."""
-    from mlx_vlm.utils import get_model_and_args, load_processor
+def prepare(model_path: str | Path, prompt: str, images: list[str | Path],
+            images_first: bool = False) -> tuple[list[int], list[dict]]:
+    """Token ids and wire items for `prompt` with `images` (after the text, in order; before it
+    with `images_first`), by mlx-vlm's processor and the model's chat template. Each item's
+    identifier is a hash of its file's bytes."""
     from PIL import Image
 
-    path = Path(model_path)
-    config = json.loads((path / "config.json").read_text())
-    get_model_and_args(dict(config))  # imports the family, which registers mlx-vlm's processor for it
-    image_token = config.get("image_token_id", config.get("image_token_index"))
-    proc = load_processor(path)
+    proc, image_token = _processor(str(model_path))
     pics = [Image.open(p).convert("RGB") for p in images]
 
     def text(n: int) -> str:
-        content = [{"type": "text", "text": prompt}, *[{"type": "image"}] * n]
+        marks, words = [{"type": "image"}] * n, [{"type": "text", "text": prompt}]
+        content = marks + words if images_first else words + marks
         return proc.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                                   tokenize=False)
 
@@ -83,7 +82,8 @@ def prepare(model_path: str | Path, prompt: str, images: list[str | Path]) -> tu
     at = [i for i, t in enumerate(ids) if t == image_token]
     features = []
     for k, (img, file) in enumerate(zip(pics, images)):
-        one = proc(text=[text(1)], images=[img])  # this image alone: its tensors and embedding count
+        # this image alone: its tensors and embedding count (one image: the prompt's own)
+        one = inputs if len(pics) == 1 else proc(text=[text(1)], images=[img])
         n = int((np.asarray(one["input_ids"]) == image_token).sum())
         mine, at = at[:n], at[n:]
         span = ids[mine[0]: mine[-1] + 1]
@@ -95,6 +95,16 @@ def prepare(model_path: str | Path, prompt: str, images: list[str | Path]) -> tu
                                          "is_embed": None if all(embed) else embed},
                          "data": {key: encode_tensor(v) for key, v in data.items()}})
     return ids, features
+
+
+@lru_cache(maxsize=4)
+def _processor(path: str) -> tuple[Any, int]:
+    """mlx-vlm's processor for the checkpoint and its image token, loaded once per process."""
+    from mlx_vlm.utils import get_model_and_args, load_processor
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    get_model_and_args(dict(config))  # imports the family, which registers mlx-vlm's processor for it
+    return load_processor(Path(path)), config.get("image_token_id", config.get("image_token_index"))
 
 
 def _item(value: Any) -> np.ndarray:
