@@ -14,7 +14,7 @@ import json
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 import numpy as np
 
@@ -26,6 +26,21 @@ def spans(features: list[dict]) -> list[tuple[int, int, str]]:
     its tokens (blocks.py), so a prefix-cache hit needs the same images, not only the same
     placeholder tokens, while text before the first image is shared with any request."""
     return [(f["mm_position"]["offset"], f["mm_position"]["length"], f["identifier"]) for f in features]
+
+
+def sent(features: list[dict], num_computed: int, held: Container[str]) -> list[dict]:
+    """A new request's items as the worker gets them: an item the prefix-cache hit covers whole and
+    whose encoder output the worker holds goes without its pixels, keeping only the grid M-RoPE
+    positions need (as vLLM sends a covered item). Held outputs a request needs are never freed
+    (`EncoderSchedule.evict`), so even recomputed after a preemption it never needs the pixels."""
+    out = []
+    for f in features:
+        p = f["mm_position"]
+        if p["offset"] + p["length"] <= num_computed and f.get("data") and f["identifier"] in held:
+            grid = {k: v for k, v in f["data"].items() if k == "image_grid_thw"}
+            f = {**f, "data": grid or None}
+        out.append(f)
+    return out
 
 
 class EncoderSchedule:

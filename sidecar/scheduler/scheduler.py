@@ -242,8 +242,8 @@ class Scheduler:
                 new_reqs.append({"req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
                                  "block_ids": [list(req.block_table)], "num_computed_tokens": num_computed,
                                  **({"sampling_params": req.wire_sampling_params(), "lora_request": None,
-                                     "mm_features": req.mm_features} if req.pooling_params is None
-                                    else {"pooling_params": req.pooling_params})})
+                                     "mm_features": images.sent(req.mm_features, num_computed, self.encoder.held)}
+                                    if req.pooling_params is None else {"pooling_params": req.pooling_params})})
 
         finished, self._finished_ids = self._finished_ids, []
         for req_id in finished:
