@@ -60,7 +60,7 @@ def _served(model: str, home: str | None, log_dir: str) -> Iterator[tuple[Any, A
 
     path = resolve_model(model, home)
     server = ServerProcess(model, home, log_dir=log_dir, extra={"max_num_seqs": 4, "max_num_batched_tokens": 512})
-    worker = pipe = None
+    worker = None
     try:
         server.start()
         worker = RemoteWorker(server.url)
@@ -68,7 +68,6 @@ def _served(model: str, home: str | None, log_dir: str) -> Iterator[tuple[Any, A
         info = worker.info()
         sched = Scheduler(num_blocks=info["num_blocks"], block_size=info["block_size"], max_num_batched_tokens=512)
         step = (lambda so: worker.call("execute_model", scheduler_output=so))
-        pipe = Pipeline(server.url)
 
         def one(rid: str, text: str, img: Path, images_first: bool = True, max_tokens: int = 1,
                 pipelined: bool = False) -> tuple[float, float, float, int, list[int]]:
@@ -80,8 +79,12 @@ def _served(model: str, home: str | None, log_dir: str) -> Iterator[tuple[Any, A
             first: list[float] = []
             event = (lambda e: first.append(time.perf_counter()) if not first else None)
             if pipelined:  # two steps in flight (vLLM's async scheduling; `generate --pipeline 1`)
-                done = run_pipelined(sched, lambda so: pipe.submit("execute_model", scheduler_output=so),
-                                     pipe.collect, on_event=event)
+                pipe = Pipeline(server.url)  # (a fresh connection: the server drops idle ones)
+                try:
+                    done = run_pipelined(sched, lambda so: pipe.submit("execute_model", scheduler_output=so),
+                                         pipe.collect, on_event=event)
+                finally:
+                    pipe.close()
             else:
                 done = run(sched, step, on_event=event)
             r = done[rid]
@@ -89,9 +92,8 @@ def _served(model: str, home: str | None, log_dir: str) -> Iterator[tuple[Any, A
 
         yield one, server, path
     finally:
-        for client in (worker, pipe):
-            if client is not None:
-                client.close()
+        if worker is not None:
+            worker.close()
         server.stop()
 
 
