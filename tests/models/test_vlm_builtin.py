@@ -22,7 +22,7 @@ def test_resolves_and_is_deterministic(home, tmp_path):
     assert {"config.json", "preprocessor_config.json", "tokenizer.json", "model.safetensors"} <= {
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
-    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-gemma3-vl", "tiny-idefics3"]
+    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-gemma3-vl", "tiny-idefics3", "small-qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25])
