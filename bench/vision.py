@@ -7,9 +7,10 @@ its language model (0.38 of a token's multiply-adds per image token; 7B: 0.39) o
 tokens. Each round brings a new image, first asked about with the image before the question, then
 (each alone, in this order) the same image with another question (the prefix cache covers the
 image: only the question is computed), the identical request (only its last block), and the same
-image after other text (no prefix to share: only the encoder run is saved). TTFT is from handing
-the request to the scheduler; the processor (mlx-vlm's, the scheduler's side, as vLLM's frontend)
-is timed apart. End to end includes the processor on both sides.
+image after other text (only the text before the image can be shared: the encoder run is the
+saving). TTFT is from handing the request to the scheduler; the processor (mlx-vlm's, the
+scheduler's side, as vLLM's frontend) is timed apart. End to end includes the processor on both
+sides, and each side sees a new image.
 """
 
 from __future__ import annotations
