@@ -16,17 +16,24 @@ from tests.driver import Driver
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 MODEL = "builtin:tiny-qwen2-vl"
+QWEN25 = "builtin:tiny-qwen2.5-vl"
 GEMMA = "builtin:tiny-gemma3-vl"
 IDEFICS = "builtin:tiny-idefics3"
-PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
-           "gemma3": "<bos><start_of_turn>user\n{}<start_of_image><end_of_turn>\n<start_of_turn>model\n",
-           "idefics3": "<|begin_of_text|>User:{}<image><end_of_utterance>\nAssistant:"}
+# Each family's prompt around a user turn ({}: its content) and its image marker.
+PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+           "gemma3": "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
+           "idefics3": "<|begin_of_text|>User:{}<end_of_utterance>\nAssistant:"}
+IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>", "idefics3": "<image>"}
+PROMPTS["qwen2_5_vl"], IMAGES["qwen2_5_vl"] = PROMPTS["qwen2_vl"], IMAGES["qwen2_vl"]
 
 
-def _prompt(path: Path, text: str) -> str:
+def _prompt(path: Path, text: str, image_first: bool = False) -> str:
+    """The text then the image, or (image_first) the image then the text: a question about an
+    image seen before then shares the prefix up to and past the image."""
     import json
 
-    return PROMPTS[json.loads((Path(path) / "config.json").read_text())["model_type"]].format(text)
+    family = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    return PROMPTS[family].format(IMAGES[family] + text if image_first else text + IMAGES[family])
 
 
 def image(seed: int = 0, size: tuple[int, int] = (80, 100)):
@@ -52,9 +59,9 @@ def _model(path: str):
     return load_model(Path(path))
 
 
-def prepare(path: Path, text: str, img) -> tuple[list[int], dict]:
+def prepare(path: Path, text: str, img, image_first: bool = False) -> tuple[list[int], dict]:
     """mlx-vlm's processor on one image: the prompt's token ids and the item's tensors."""
-    inputs = _processor(str(path))(text=[_prompt(path, text)], images=[img])
+    inputs = _processor(str(path))(text=[_prompt(path, text, image_first)], images=[img])
     ids = np.array(inputs["input_ids"])[0].tolist()
     data = {"pixel_values": np.array(inputs["pixel_values"], np.float32)}
     if "pixel_attention_mask" in inputs:  # idefics3: [1, tiles, ...] for the one image
@@ -65,11 +72,11 @@ def prepare(path: Path, text: str, img) -> tuple[list[int], dict]:
     return ids, data
 
 
-def oracle(path: Path, text: str, img, n: int) -> list[int]:
+def oracle(path: Path, text: str, img, n: int, image_first: bool = False) -> list[int]:
     """mlx-vlm's own generate, greedy."""
     from mlx_vlm import generate
 
-    res = generate(_model(str(path)), _processor(str(path)), _prompt(path, text), image=[img], max_tokens=n,
+    res = generate(_model(str(path)), _processor(str(path)), _prompt(path, text, image_first), image=[img], max_tokens=n,
                    temperature=0.0, verbose=False)
     return list(res.token_ids)[:n]
 

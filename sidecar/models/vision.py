@@ -4,9 +4,10 @@
 an mlx-lm model (`model(tokens, cache=...)`), with the input embeddings (and, for M-RoPE families,
 the positions) of the next call set beforehand by engine/multimodal.py (`bind`). Each family says
 what its encoder takes (`check`), runs it (`encode`: the rows its own `get_input_embeddings`
-writes into the token embeddings) and, for Qwen2-VL, computes positions with mlx-vlm's own
+writes into the token embeddings) and, for Qwen2-VL and Qwen2.5-VL, computes positions with mlx-vlm's own
 `get_rope_index`. Checkpoints of other multimodal families keep being served as text-only
-models through mlx-lm; a request with an image for them is refused naming the family.
+models through mlx-lm when mlx-lm has their text half (a request with an image is then refused
+naming the family), and are refused by name at load_model when it has not (`unserved`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def model_type(path: Path) -> str | None:
 
 def is_served(path: Path) -> bool:
     return model_type(path) in SERVED and vision_available()
+
+
+def unserved(path: Path) -> str | None:
+    """Why a vision-language checkpoint's images are not served (its family named), or None for a
+    served one or a text model."""
+    family = model_type(path)
+    if family is None or is_served(path):
+        return None
+    if family in SERVED:
+        return f"images of {family} need the vision extra (mlx-vlm), which is not installed"
+    return f"{family} is a vision-language family whose images are not served (served: {', '.join(SERVED)})"
 
 
 def load_vision(path: Path) -> tuple[VisionLanguageModel, dict]:
@@ -119,6 +131,9 @@ def _need(data: dict[str, np.ndarray], names: tuple[str, ...], family: str, path
 
 
 class Qwen2VL(VisionLanguageModel):
+    """Qwen2-VL and Qwen2.5-VL: the same inputs, merged patches and M-RoPE; their towers (Qwen2.5-VL's
+    windowed attention included) are mlx-vlm's."""
+
     mrope = True
 
     def __init__(self, vlm: nn.Module, config: dict):
@@ -235,4 +250,5 @@ class Idefics3(VisionLanguageModel):
 
 
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
-SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "gemma3": Gemma3, "idefics3": Idefics3}
+SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "gemma3": Gemma3,
+                                                 "idefics3": Idefics3}

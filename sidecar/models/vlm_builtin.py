@@ -37,10 +37,12 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112  # 4x4 .. 8x8 patches of 14: 4 .. 16
 class VLMSpec:
     model_type: str  # mlx-vlm family
     version: int = 1  # bump whenever the generated files change
+    small: bool = False  # the benchmarks' size (QWEN_SMALL), else tiny
 
 
-VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-gemma3-vl": VLMSpec("gemma3"),
-                                  "tiny-idefics3": VLMSpec("idefics3")}
+VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qwen2.5-vl": VLMSpec("qwen2_5_vl"),
+                                  "tiny-gemma3-vl": VLMSpec("gemma3"), "tiny-idefics3": VLMSpec("idefics3"),
+                                  "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
                   "<global-img>")
@@ -79,10 +81,39 @@ def write_vlm(name: str, dest: Path, train: Callable[[int], Tokenizer], seed: in
 
 
 def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
-    return {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "idefics3": _idefics3}[VLM_MODELS[name].model_type](train)
+    family = VLM_MODELS[name].model_type
+    if family.startswith("qwen2"):
+        return _qwen_vl(train, family, VLM_MODELS[name].small)
+    return {"gemma3": _gemma3, "idefics3": _idefics3}[family](train)
 
 
-def _qwen2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+# Qwen2.5-VL's vision tower differs from Qwen2-VL's: RMSNorm and SwiGLU blocks, windowed attention
+# (windows of 56 pixels: 2x2 merged tokens, so an image of up to 4x4 tokens spans several) with
+# full attention in the blocks listed, and a merger projecting to the text width.
+QWEN_VISION = {
+    "qwen2_vl": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
+    "qwen2_5_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
+                   "hidden_act": "silu", "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2},
+}
+# builtin:small-qwen2.5-vl, for benchmarks: Qwen2.5-VL-7B's cost proportions at a size MLX's CPU
+# backend prefills in about a second. Per token its language model costs 1.18M multiply-adds
+# (7B: 6.5G); per image token (4 patches of 14 pixels, merged 2x2) its tower costs
+# 4 x (38K patch embedding + 66K blocks) + 33K merger = 0.45M (7B: 4 x (1.5M + 630M) + 45M): 0.38 of
+# a token's cost (7B: 0.39). Windows of 112 pixels with full attention in 1 block of 4 (7B: 4 of
+# 32); images up to 448 pixels a side (256 tokens), as a photo's share of a prompt.
+QWEN_SMALL = {
+    "text": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 640, "rope_scaling": {"type": "mrope", "rope_type": "default",
+                                                        "mrope_section": [4, 6, 6]}},
+    "vision": {"depth": 4, "hidden_size": 32, "intermediate_size": 128, "out_hidden_size": 128, "num_heads": 2,
+               "hidden_act": "silu", "window_size": 112, "fullatt_block_indexes": [3], "tokens_per_second": 2},
+    "max_pixels": 448 * 448,
+}
+
+
+def _qwen_vl(train: Callable[[int], Tokenizer], family: str, small: bool = False) -> dict[str, dict]:
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[family]
+    max_pixels = QWEN_SMALL["max_pixels"] if small else MAX_PIXELS
     tok = train(512)
     tok.post_processor = None  # Qwen tokenizers add no BOS: the template carries every marker
     tok.add_special_tokens(list(QWEN_TOKENS))
@@ -95,28 +126,28 @@ def _qwen2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
         # M-RoPE: head_dim 16 -> 8 frequencies split over (temporal, height, width)
         "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
         "torch_dtype": "float32", "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+        **(QWEN_SMALL["text"] if small else {}),
     }
     vision = {
-        "model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
-        "in_channels": 3, "in_chans": 3, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
+        "model_type": family, **(QWEN_SMALL["vision"] if small else QWEN_VISION[family]), "in_channels": 3, "in_chans": 3, "patch_size": 14,
+        "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
     }
     config = {
-        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", **text,
-        "text_config": {"model_type": "qwen2_vl_text", **text}, "vision_config": vision,
+        "architectures": [processor.replace("Processor", "ForConditionalGeneration")], "model_type": family, **text,
+        "text_config": {"model_type": f"{family}_text", **text}, "vision_config": vision,
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
     }
     image = {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": MIN_PIXELS, "max_pixels": max_pixels,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
         "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
     }
     tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2VLProcessor",
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": processor,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096,
         "clean_up_tokenization_spaces": False, "chat_template": QWEN_CHAT_TEMPLATE,
     }

@@ -3,7 +3,8 @@
 Plain Python, no MLX. The scheduler owns block ids; the worker only writes K/V where the block
 tables it is sent point (docs/protocol.md, execute_model). A block joins the prefix cache once it is full and its
 tokens are computed; its hash chains the parent block's hash, so a hit on block i implies the
-whole prefix up to block i matches (K/V depends on every earlier token, not just the block's own).
+whole prefix up to block i matches (K/V depends on every earlier token, not just the block's own),
+and takes the identifiers of the images inside it, so a hit also implies the same images.
 """
 
 from __future__ import annotations
@@ -28,11 +29,31 @@ class SeqLike(Protocol):
     def all_token_ids(self) -> list[int]: ...
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+# An image's placeholder in a prompt: (offset, length, identifier).
+Span = tuple[int, int, str]
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], images: Sequence[str] = ()) -> bytes:
+    """`images`: the identifiers of the images whose placeholders overlap the block. Their
+    placeholder tokens are the same for every image, so the K/V they hold depends on which image
+    (as vLLM's block hashes take the items' hashes as extra keys). A text block hashes as before."""
     # sha256 rather than hash(): a collision would silently serve another prompt's K/V.
     h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
+    for identifier in images:
+        h.update(b"\0image\0" + identifier.encode())
     return h.digest()
+
+
+def chain_hashes(hashes: list[bytes], tokens: Sequence[int], n: int, block_size: int,
+                 spans: Sequence[Span] = ()) -> list[bytes]:
+    """Grow `hashes` (a sequence's chained block hashes, in place) to its first n full blocks of
+    `tokens`; return those n."""
+    while len(hashes) < n:
+        lo, hi = len(hashes) * block_size, (len(hashes) + 1) * block_size
+        images = [identifier for off, length, identifier in spans if off < hi and off + length > lo]
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[lo:hi], images))
+    return hashes[:n]
 
 
 @dataclass
@@ -72,15 +93,7 @@ class BlockManager:
 
     def _hashes(self, seq: SeqLike, n: int) -> list[bytes]:
         """The hashes of seq's first n full blocks (n must not exceed its full blocks of known tokens)."""
-        hashes, bs = seq.block_hashes, self.block_size
-        if len(hashes) < n:
-            tokens = seq.all_token_ids
-            while len(hashes) < n:
-                i = len(hashes)
-                # a chain starts from the sequence's salt (its images' identifiers), if it has one
-                hashes.append(hash_block(hashes[-1] if hashes else getattr(seq, "hash_salt", None),
-                                         tokens[i * bs : (i + 1) * bs]))
-        return hashes[:n]
+        return chain_hashes(seq.block_hashes, seq.all_token_ids, n, self.block_size, getattr(seq, "mm_spans", ()))
 
     def cached_prefix(self, seq: SeqLike) -> list[int]:
         """Cached blocks holding the longest prefix of seq's known tokens (a lookup: nothing changes).

@@ -12,20 +12,35 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 import numpy as np
 
 from sidecar.wire.multimodal import encode_tensor
 
 
-def salt(features: list[dict]) -> bytes | None:
-    """What a request's block hashes start from: its items' identifiers (a prefix-cache hit then
-    needs the same images, not only the same placeholder tokens)."""
-    if not features:
-        return None
-    return hashlib.sha256("\0".join(f["identifier"] for f in features).encode()).digest()
+def spans(features: list[dict]) -> list[tuple[int, int, str]]:
+    """(offset, length, identifier) of each item's placeholder: what a block's hash takes besides
+    its tokens (blocks.py), so a prefix-cache hit needs the same images, not only the same
+    placeholder tokens, while text before the first image is shared with any request."""
+    return [(f["mm_position"]["offset"], f["mm_position"]["length"], f["identifier"]) for f in features]
+
+
+def sent(features: list[dict], num_computed: int, held: Container[str]) -> list[dict]:
+    """A new request's items as the worker gets them: an item the prefix-cache hit covers whole and
+    whose encoder output the worker holds goes without its pixels, keeping only the grid M-RoPE
+    positions need (as vLLM sends a covered item). Held outputs a request needs are never freed
+    (`EncoderSchedule.evict`), so even recomputed after a preemption it never needs the pixels."""
+    out = []
+    for f in features:
+        p = f["mm_position"]
+        if p["offset"] + p["length"] <= num_computed and f.get("data") and f["identifier"] in held:
+            grid = {k: v for k, v in f["data"].items() if k == "image_grid_thw"}
+            f = {**f, "data": grid or None}
+        out.append(f)
+    return out
 
 
 class EncoderSchedule:
@@ -61,21 +76,19 @@ class EncoderSchedule:
         return out
 
 
-def prepare(model_path: str | Path, prompt: str, images: list[str | Path]) -> tuple[list[int], list[dict]]:
-    """Token ids and wire items for `prompt` with `images` (after the text, in order), by mlx-vlm's
-    processor and the model's chat template. Each item's identifier is a hash of its file's bytes."""
-    from mlx_vlm.utils import get_model_and_args, load_processor
+def prepare(model_path: str | Path, prompt: str, images: list[str | Path],
+            images_first: bool = False) -> tuple[list[int], list[dict]]:
+    """Token ids and wire items for `prompt` with `images` (after the text, in order; before it
+    with `images_first`), by mlx-vlm's processor and the model's chat template. Each item's
+    identifier is a hash of its file's bytes."""
     from PIL import Image
 
-    path = Path(model_path)
-    config = json.loads((path / "config.json").read_text())
-    get_model_and_args(dict(config))  # imports the family, which registers mlx-vlm's processor for it
-    image_token = config.get("image_token_id", config.get("image_token_index"))
-    proc = load_processor(path)
+    proc, image_token = _processor(str(model_path))
     pics = [Image.open(p).convert("RGB") for p in images]
 
     def text(n: int) -> str:
-        content = [{"type": "text", "text": prompt}, *[{"type": "image"}] * n]
+        marks, words = [{"type": "image"}] * n, [{"type": "text", "text": prompt}]
+        content = marks + words if images_first else words + marks
         return proc.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                                   tokenize=False)
 
@@ -84,7 +97,8 @@ def prepare(model_path: str | Path, prompt: str, images: list[str | Path]) -> tu
     at = [i for i, t in enumerate(ids) if t == image_token]
     features = []
     for k, (img, file) in enumerate(zip(pics, images)):
-        one = proc(text=[text(1)], images=[img])  # this image alone: its tensors and embedding count
+        # this image alone: its tensors and embedding count (one image: the prompt's own)
+        one = inputs if len(pics) == 1 else proc(text=[text(1)], images=[img])
         n = int((np.asarray(one["input_ids"]) == image_token).sum())
         mine, at = at[:n], at[n:]
         span = ids[mine[0]: mine[-1] + 1]
@@ -96,6 +110,16 @@ def prepare(model_path: str | Path, prompt: str, images: list[str | Path]) -> tu
                                          "is_embed": None if all(embed) else embed},
                          "data": {key: encode_tensor(v) for key, v in data.items()}})
     return ids, features
+
+
+@lru_cache(maxsize=4)
+def _processor(path: str) -> tuple[Any, int]:
+    """mlx-vlm's processor for the checkpoint and its image token, loaded once per process."""
+    from mlx_vlm.utils import get_model_and_args, load_processor
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    get_model_and_args(dict(config))  # imports the family, which registers mlx-vlm's processor for it
+    return load_processor(Path(path)), config.get("image_token_id", config.get("image_token_index"))
 
 
 def _item(value: Any) -> np.ndarray:

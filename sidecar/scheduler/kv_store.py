@@ -70,11 +70,7 @@ class StoreTier:
 
 
 def full_block_hashes(req: Any, n: int, block_size: int) -> list[bytes]:
-    """The chained hashes of req's first n full blocks (blocks.py's, grown lazily)."""
-    from sidecar.scheduler.blocks import hash_block
+    """The chained hashes of req's first n full blocks (blocks.py's, images included, grown lazily)."""
+    from sidecar.scheduler.blocks import chain_hashes
 
-    hashes, tokens = req.block_hashes, req.all_token_ids
-    while len(hashes) < n:
-        i = len(hashes)
-        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * block_size:(i + 1) * block_size]))
-    return hashes[:n]
+    return chain_hashes(req.block_hashes, req.all_token_ids, n, block_size, getattr(req, "mm_spans", ()))

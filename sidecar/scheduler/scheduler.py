@@ -71,8 +71,9 @@ class Request:
             raise ValueError(f"request {self.req_id!r}: min_tokens must be in [0, max_tokens]")
 
     @property
-    def hash_salt(self) -> bytes | None:
-        return images.salt(self.mm_features)
+    def mm_spans(self) -> list[tuple[int, int, str]]:
+        """Its images' placeholders and identifiers, which its block hashes take (blocks.py)."""
+        return images.spans(self.mm_features)
 
     @property
     def min_tokens(self) -> int:
@@ -241,8 +242,8 @@ class Scheduler:
                 new_reqs.append({"req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
                                  "block_ids": [list(req.block_table)], "num_computed_tokens": num_computed,
                                  **({"sampling_params": req.wire_sampling_params(), "lora_request": None,
-                                     "mm_features": req.mm_features} if req.pooling_params is None
-                                    else {"pooling_params": req.pooling_params})})
+                                     "mm_features": images.sent(req.mm_features, num_computed, self.encoder.held)}
+                                    if req.pooling_params is None else {"pooling_params": req.pooling_params})})
 
         finished, self._finished_ids = self._finished_ids, []
         for req_id in finished:

@@ -13,8 +13,9 @@ into (the ones vLLM allocated) and every block the step fills, to save. The meta
 step the worker class forwards (`kv_store_load` / `kv_store_save`), and a load the sidecar could not
 verify comes back as `kv_connector_output.invalid_block_ids`, vLLM's path to recompute it.
 
-Block keys are chained sha256 hashes of the token ids (the reference scheduler's `hash_block`,
-the LoRA adapter's name added by the sidecar), not vLLM's block hashes, which are seeded at random
+Block keys are chained sha256 hashes of the token ids and of the identifiers of the images inside
+each block (the reference scheduler's `chain_hashes`, the LoRA adapter's name added by the
+sidecar), not vLLM's block hashes, which are seeded at random
 per process unless PYTHONHASHSEED is set: a restarted vLLM finds the blocks an earlier one saved.
 The worker side of the interface is unused: the worker class forwards the metadata itself.
 """
@@ -30,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sidecar.client.remote import RemoteError, RemoteWorker
-from sidecar.scheduler.blocks import hash_block
+from sidecar.scheduler.blocks import chain_hashes
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +120,9 @@ class MLXSidecarStoreConnector(KVConnectorBase_V1):
             return 0
 
     def _hashes(self, t: _Tracked, n: int) -> list[bytes]:
-        tokens, bs = t.request.all_token_ids, self.block_size
-        while len(t.hashes) < n:
-            i = len(t.hashes)
-            t.hashes.append(hash_block(t.hashes[-1] if t.hashes else None, list(tokens[i * bs:(i + 1) * bs])))
-        return t.hashes[:n]
+        spans = [(int(f.mm_position.offset), int(f.mm_position.length), f.identifier)
+                 for f in getattr(t.request, "mm_features", None) or ()]
+        return chain_hashes(t.hashes, t.request.all_token_ids, n, self.block_size, spans)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         t = self._reqs.setdefault(request.request_id, _Tracked(request))

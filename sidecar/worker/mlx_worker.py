@@ -114,9 +114,10 @@ class MLXWorker(StateMachine):
         from sidecar.engine import pooling
         from sidecar.models import ModelNotFound, resolve_model
         from sidecar.models.importable import check_importable
-        from sidecar.models.vision import is_served, load_vision
+        from sidecar.models.vision import is_served, load_vision, unserved
         from sidecar.kv.spec import UnsupportedModel
 
+        path = None
         try:  # what fails here is the model directory the operator configured: 4xx, and no paths
             path = resolve_model(self.config.model, self.config.home)
             check_importable(path)  # 400 (field model) naming a package mlx-lm's module needs
@@ -129,6 +130,9 @@ class MLXWorker(StateMachine):
         except (Exception, SystemExit) as e:  # noqa: BLE001 (mlx-lm's olmo module exits without ai2-olmo)
             self.model, self.model_config, self.model_path = None, {}, None
             why = "not found or not an mlx-lm model directory" if isinstance(e, ModelNotFound) else type(e).__name__
+            refused = unserved(path) if path is not None else None
+            if refused:  # a vision-language checkpoint: name its family rather than mlx-lm's error
+                why = f"{refused}; mlx-lm cannot load its text half: {why}"
             raise ProtocolError(f"the configured model cannot be loaded ({why})", field="config.model") from None
         kv_dtype = None if self.config.kv_dtype == "auto" else self.config.kv_dtype
         try:
@@ -170,6 +174,8 @@ class MLXWorker(StateMachine):
         self.runner.kv_tier = open_tier(self.config.kv_store_dir, self.config.kv_store_max_gb, self.config.model,
                                         path, caches.specs)
         log.info("load_model: %s (%d weight bytes)", path, self.weights_bytes)
+        if (refused := unserved(path)) is not None:
+            log.warning("load_model: serving the text half only: %s", refused)
         self.state = S.MODEL_LOADED
 
     def _layer_specs(self, model_config: dict | None = None, model: nn.Module | None = None) -> list[LayerSpec]:

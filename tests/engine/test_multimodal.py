@@ -1,4 +1,5 @@
-"""Images through the worker against mlx-vlm's own generate on builtin:tiny-qwen2-vl (fp32, greedy):
+"""Images through the worker against mlx-vlm's own generate on builtin:tiny-qwen2-vl and
+builtin:tiny-qwen2.5-vl (fp32, greedy; Qwen2.5-VL's tower attends in windows of 2x2 merged tokens):
 chunked prefill splitting the image, batching with text, prefix caching after the image,
 preemption, the encoder cache's accounting, and bad inputs (4xx naming the field, nothing changes)."""
 
@@ -11,21 +12,26 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import GEMMA, IDEFICS, MODEL, MMDriver, feature, image, oracle, prepare
+from tests.vision import GEMMA, IDEFICS, MODEL, QWEN25, MMDriver, feature, image, oracle, prepare
 
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 
 N = 8
 
 
-@pytest.fixture(scope="module")
-def path(home):
-    return resolve_model(MODEL, home)
+@pytest.fixture(scope="module", params=[MODEL, QWEN25])
+def model(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def worker(make_worker):
-    return make_worker(MODEL, num_blocks=96)
+def path(home, model):
+    return resolve_model(model, home)
+
+
+@pytest.fixture(scope="module")
+def worker(make_worker, model):
+    return make_worker(model, num_blocks=96)
 
 
 @pytest.fixture(scope="module")
@@ -217,9 +223,9 @@ def test_families_refuse_pixels_of_another_size(family):
     assert e.value.field == "scheduled_new_reqs[0].mm_features[0].data.pixel_values" and not w.runner.requests
 
 
-def test_sleep_level_2_and_wake_up_serve_images_again(make_worker, sea):
+def test_sleep_level_2_and_wake_up_serve_images_again(make_worker, model, sea):
     ids, data, want = sea
-    w = make_worker(MODEL, num_blocks=96)
+    w = make_worker(model, num_blocks=96)
     d = MMDriver(w.execute_model, w.config.block_size, 96)
     d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
     assert d.run(2)["a"] == want[:2]

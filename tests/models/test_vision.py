@@ -14,26 +14,28 @@ from sidecar.models.vision import SERVED, is_served, model_type
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import MODEL, image, prepare  # noqa: E402
+from tests.vision import MODEL, QWEN25, image, prepare  # noqa: E402
 
 
 def test_only_served_vision_families_take_images(home, tmp_path):
     assert is_served(resolve_model(MODEL, home)) and "qwen2_vl" in SERVED
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
-    assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and set(SERVED) == {"qwen2_vl", "gemma3", "idefics3"}
+    assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
+    assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
     assert model_type(other) == "llava" and not is_served(other)  # its text half serves; images refused by name
 
 
-def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worker, home):
+@pytest.mark.parametrize("model", [MODEL, QWEN25])
+def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worker, home, model):
     """The adapter's logits for a whole prompt with an image equal mlx-vlm's Model.__call__."""
     from mlx_vlm.utils import load_model
 
-    path = resolve_model(MODEL, home)
+    path = resolve_model(model, home)
     ids, data = prepare(path, "Look.", image(2))
-    w = make_worker(MODEL, num_blocks=16)
+    w = make_worker(model, num_blocks=16)
     m = w.runner.mm.model
     pos, delta = m.rope_positions(ids, [data["image_grid_thw"]])
     ref, ref_delta = load_model(path).language_model.get_rope_index(

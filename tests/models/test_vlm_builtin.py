@@ -15,7 +15,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import GEMMA, IDEFICS, MODEL, image, prepare  # noqa: E402
+from tests.vision import GEMMA, IDEFICS, MODEL, QWEN25, image, prepare  # noqa: E402
 
 
 def test_resolves_and_is_deterministic(home, tmp_path):
@@ -23,11 +23,12 @@ def test_resolves_and_is_deterministic(home, tmp_path):
     assert {"config.json", "preprocessor_config.json", "tokenizer.json", "model.safetensors"} <= {
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
-    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-gemma3-vl", "tiny-idefics3"]
+    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-gemma3-vl", "tiny-idefics3", "small-qwen2.5-vl"]
 
 
-def test_the_processor_expands_the_image_token_by_the_grid(home):
-    path = resolve_model(MODEL, home)
+@pytest.mark.parametrize("model", [MODEL, QWEN25])
+def test_the_processor_expands_the_image_token_by_the_grid(home, model):
+    path = resolve_model(model, home)
     config = json.loads((path / "config.json").read_text())
     for size, grid in [((80, 100), [1, 6, 8]), ((40, 40), [1, 4, 4]), ((300, 300), [1, 6, 6])]:
         ids, data = prepare(path, "Hi", image(1, size))
@@ -60,3 +61,19 @@ def test_idefics3_images_are_tiles_of_four_tokens(home):
         assert ids.count(image_token) == 4 * tiles
         seen.add(tiles)
     assert len(seen) == 2
+
+
+def test_qwen2_5_vl_is_its_own_family_with_a_windowed_tower(home):
+    """mlx-vlm loads Qwen2.5-VL's model (not Qwen2-VL's) and its tower attends in windows: an image
+    of 3x4 merged tokens spans four windows of 2x2."""
+    from mlx_vlm.utils import load_model
+
+    path = resolve_model(QWEN25, home)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == config["vision_config"]["model_type"] == "qwen2_5_vl"
+    tower = load_model(path).vision_tower
+    assert type(tower).__module__.endswith("qwen2_5_vl.vision") and tower.fullatt_block_indexes == [1]
+    import mlx.core as mx
+
+    index, bounds = tower.get_window_index(mx.array([[1, 6, 8]]))
+    assert len(set(np.array(bounds).tolist())) - 1 == 4

@@ -14,6 +14,7 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    mm_spans: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -69,6 +70,23 @@ def test_prefix_hit_requires_the_whole_chain():
     other_head = Seq([50, 51, 52, 53] + list(range(4, 12)) + [7])
     assert bm.cached_prefix(other_head) == []
     assert hash_block(None, [4, 5, 6, 7]) != hash_block(hash_block(None, [0, 1, 2, 3]), [4, 5, 6, 7])
+
+
+def test_image_blocks_hash_their_images_and_text_before_them_is_shared():
+    """Blocks overlapping an image's placeholder take its identifier: the same placeholder tokens
+    with another image are no hit; the text before the first image is (as vLLM's block hashes)."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 6, 7, 8, 10, 11]  # the image at [5, 10): blocks 1 and 2
+    a = Seq(list(tokens), mm_spans=[(5, 5, "sea")])
+    assert bm.allocate(a, len(tokens))
+    a.num_computed_tokens = len(tokens)
+    bm.cache_blocks(a)
+    assert bm.cached_prefix(Seq(list(tokens), mm_spans=[(5, 5, "sea")])) == a.block_table[:3]
+    assert bm.cached_prefix(Seq(tokens[:13] + [0, 0], mm_spans=[(5, 5, "sea")])) == a.block_table[:3]
+    assert bm.cached_prefix(Seq(list(tokens), mm_spans=[(5, 5, "storm")])) == a.block_table[:1]
+    assert bm.cached_prefix(Seq(list(tokens))) == a.block_table[:1]  # the same tokens without the image
+    assert hash_block(None, [9] * 4, ["sea"]) != hash_block(None, [9] * 4, ["storm"]) != hash_block(None, [9] * 4)
+    assert hash_block(None, [1, 2]) == hash_block(None, [1, 2], [])  # text blocks hash as they always did
 
 
 def test_hit_never_covers_the_last_token():
@@ -196,7 +214,7 @@ def test_rejects_bad_sizes():
 def test_hash_collision_is_not_a_hit(monkeypatch):
     import sidecar.scheduler.blocks as blocks
 
-    monkeypatch.setattr(blocks, "hash_block", lambda parent, token_ids: b"same")  # every block collides
+    monkeypatch.setattr(blocks, "hash_block", lambda parent, token_ids, images=(): b"same")  # every block collides
     bm = BlockManager(num_blocks=8, block_size=2)
     a = computed(bm, [1, 2, 3])
     assert bm.cached_prefix(Seq([1, 2, 3])) == a.block_table[:1]

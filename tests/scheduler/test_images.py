@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sidecar.models import resolve_model
-from sidecar.scheduler.images import EncoderSchedule, salt
+from sidecar.scheduler.images import EncoderSchedule, sent, spans
 from sidecar.scheduler.scheduler import Request, Scheduler, run
 from tests.server.serverproc import start_server
 
@@ -34,7 +34,44 @@ def test_encoder_schedule_runs_each_identifier_once_and_frees_the_unneeded_past_
     assert e.schedule([("r2", b, 4, 10)]) == {"r2": [1]}
     assert e.evict(needed={"x", "y"}) == []  # both still needed: over the bound, kept
     assert e.evict(needed={"y"}) == ["x"] and list(e.held) == ["y"]
-    assert salt([]) is None and salt(a) != salt(b) and salt(a) == salt([_item("x", 9, 1)])
+    assert spans([]) == [] and spans(b) == [(2, 8, "x"), (12, 4, "y")]
+
+
+def test_a_covered_item_goes_without_pixels_only_while_the_worker_holds_its_output():
+    f = {**_item("x", 4, 8), "data": {"pixel_values": b"p", "image_grid_thw": b"g"}}
+    plain = {**_item("y", 4, 8), "data": {"pixel_values": b"p"}}
+    assert sent([f, plain], 12, {"x", "y"}) == [{**f, "data": {"image_grid_thw": b"g"}}, {**plain, "data": None}]
+    assert sent([f], 11, {"x"}) == [f] and sent([f], 12, set()) == [f]  # partly covered; not held
+
+
+def test_the_same_image_under_another_question_reuses_the_kv_past_the_image(make_worker, home, tmp_path):
+    """Image before the question: the second request's prefix hit covers the image, its item goes
+    without pixels, no encoder run; tokens equal mlx-vlm's on the same prompt."""
+    from PIL import Image
+
+    from sidecar.scheduler.images import prepare
+
+    path = resolve_model(MODEL, home)
+    w = make_worker(MODEL, num_blocks=64, block_size=6)  # the image ends at 18, where the questions part
+    sea = _png(tmp_path, 0)
+    sched = Scheduler(num_blocks=64, block_size=w.config.block_size, max_num_batched_tokens=64)
+    seen: list[dict] = []
+
+    def step(so: dict) -> dict:
+        seen.extend(so["scheduled_new_reqs"])
+        return w.execute_model(so).to_wire()
+
+    for rid, text in [("a", "Describe the sea."), ("b", "What colour is it?")]:
+        ids, features = prepare(path, text, [sea], images_first=True)
+        sched.add_request(Request(rid, ids, {"temperature": 0.0}, max_tokens=N, ignore_eos=True, mm_features=features))
+        runs = w.runner.mm.stats.runs
+        out = run(sched, step)[rid]
+        want = oracle(path, text, Image.open(sea).convert("RGB"), N, image_first=True)
+        assert out.output_token_ids == want, rid
+    end = features[0]["mm_position"]["offset"] + features[0]["mm_position"]["length"]
+    assert out.num_cached_tokens >= end and w.runner.mm.stats.runs == runs
+    assert "pixel_values" in seen[0]["mm_features"][0]["data"]
+    assert set(seen[1]["mm_features"][0]["data"]) == {"image_grid_thw"}
 
 
 def _png(tmp_path, seed: int, size=(80, 100)):

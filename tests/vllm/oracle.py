@@ -7,7 +7,7 @@ JSON on stdin -> JSON on stdout.
   QuantizedKVCache from the first token: tests/kv/test_quant.py's oracle)
 {"model": ..., "chat": [messages], "max_tokens": n} -> {"prompt": [int], "tokens": [int], "text": str}
 {"model": ..., "prompts": [[int]], "pool": kind, "score": bool} -> pooled hidden states (see `pool`)
-{"vlm": ..., "text": str, "image_seed": s, "size": [h, w], "max_tokens": n} -> {"prompt": [int], "tokens": [int],
+{"vlm": ..., "text": str, "image_seed": s, "size": [h, w], "max_tokens": n, "image_first": bool} -> {"prompt": [int], "tokens": [int],
   "png": base64, "pixel_values": [...]} (mlx-vlm's processor and generate on the image tests/vision.py makes)
 "adapter": <dir> applies an mlx-lm LoRA adapter; {"model": ..., "make_adapter": <dir>, "seed": s} makes one.
 """
@@ -66,10 +66,11 @@ def vlm(req: dict) -> dict:
 
     path = resolve_model(req["vlm"])
     img = image(req["image_seed"], tuple(req["size"]))
-    ids, data = prepare(path, req["text"], img)
+    first = bool(req.get("image_first"))
+    ids, data = prepare(path, req["text"], img, first)
     png = io.BytesIO()
     img.save(png, format="PNG")
-    return {"prompt": ids, "tokens": oracle(path, req["text"], img, req["max_tokens"]),
+    return {"prompt": ids, "tokens": oracle(path, req["text"], img, req["max_tokens"], first),
             "png": base64.b64encode(png.getvalue()).decode(), "pixel_values": data["pixel_values"].tolist()}
 
 

@@ -95,3 +95,27 @@ def test_the_connector_refuses_groups_it_cannot_name_every_block_of():
         _check_groups([KVCacheGroupSpec(["a"], window)])
     with pytest.raises(ValueError, match="has 2"):
         _check_groups([KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)])
+
+
+def test_store_keys_take_the_images_inside_each_block():
+    """The same placeholder tokens with another image are another key (its K/V differs); the
+    blocks before the image, and a text prompt's blocks, are keyed as the reference scheduler's."""
+    from types import SimpleNamespace
+
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from sidecar.scheduler.blocks import chain_hashes
+    from sidecar.vllm.kv_connector import MLXSidecarStoreConnector, _Tracked
+
+    tokens = list(range(100, 116)) + [7] * 16 + list(range(200, 216))
+
+    def keys(identifier: str | None) -> list[bytes]:
+        feats = [] if identifier is None else [MultiModalFeatureSpec(
+            data=None, modality="image", identifier=identifier, mm_hash=identifier,
+            mm_position=PlaceholderRange(offset=16, length=16))]
+        t = _Tracked(SimpleNamespace(all_token_ids=tokens, mm_features=feats))
+        return MLXSidecarStoreConnector._hashes(SimpleNamespace(block_size=16), t, 3)
+
+    sea, storm, text = keys("sea"), keys("storm"), keys(None)
+    assert sea[0] == storm[0] == text[0] and len({sea[1], storm[1], text[1]}) == 3 and sea[2] != storm[2]
+    assert sea == chain_hashes([], tokens, 3, 16, [(16, 16, "sea")]) and text == chain_hashes([], tokens, 3, 16)

@@ -91,10 +91,11 @@ def engine(home: str, vllm_model_dir):
             llm.llm_engine.engine_core.shutdown()
 
 
-def _image(seed: int, size=(80, 100), text: str = TEXT) -> tuple[dict, object]:
+def _image(seed: int, size=(80, 100), text: str = TEXT, image_first: bool = False) -> tuple[dict, object]:
     from PIL import Image
 
-    want = oracle({"vlm": MODEL, "text": text, "image_seed": seed, "size": list(size), "max_tokens": N}, "")
+    want = oracle({"vlm": MODEL, "text": text, "image_seed": seed, "size": list(size), "max_tokens": N,
+                   "image_first": image_first}, "")
     return want, Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
 
 
@@ -137,6 +138,39 @@ def test_generate_with_images_equals_mlx_vlm_and_a_repeated_image_runs_the_encod
     assert d["mlx_worker_encoder_runs_total"] == 2  # img_a once for the three requests that carry it
     assert d["mlx_worker_encoder_cache_hits_total"] >= 2
     assert counter(llm, "vllm:mm_cache_hits") - hits >= 2  # vLLM saw the same image content again
+
+
+def test_a_repeated_image_reuses_the_kv_past_it_and_no_encoder_runs(engine) -> None:
+    """The image before the question: a later request with the same image and another question,
+    and the identical request, hit vLLM's prefix cache up to and past the image (its block hashes
+    take the image's hash); the sidecar computes only the tail, without the encoder. Another image
+    under the same tokens hits only the text before it."""
+    from vllm import SamplingParams
+
+    llm, server = engine
+    first, img = _image(11, image_first=True)
+    follow, _ = _image(11, text="What colour is it?", image_first=True)
+    other, img_other = _image(12, image_first=True)
+
+    def prompt(text: str) -> str:
+        return "<|begin_of_text|>User:<image>" + text + "<end_of_utterance>\nAssistant:"
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+    p = first["prompt"]
+    end = max(i for i, t in enumerate(p) if t == max(set(p), key=p.count)) + 1  # past the image's tokens
+    before = _encoder_metrics(server.url)
+    outs = []
+    for text, pic in [(TEXT, img), ("What colour is it?", img), (TEXT, img), (TEXT, img_other)]:
+        outs += llm.generate([{"prompt": prompt(text), "multi_modal_data": {"image": pic}}], greedy, use_tqdm=False)
+    assert [list(o.prompt_token_ids) for o in outs[:2]] == [first["prompt"], follow["prompt"]]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [first["tokens"], follow["tokens"], first["tokens"],
+                                                            other["tokens"]]
+    assert other["prompt"] == first["prompt"] and other["tokens"] != first["tokens"]  # only the image differs
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[1] >= end - 16 and cached[2] == (len(first["prompt"]) - 1) // 16 * 16 > end, (cached, end)
+    assert cached[3] < 16  # another image: its blocks hash differently from the first one it overlaps
+    d = {k: v - before.get(k, 0) for k, v in _encoder_metrics(server.url).items()}
+    assert d["mlx_worker_encoder_runs_total"] == 2  # the first image once, the other once
 
 
 def test_chat_completions_with_an_image_data_url(engine) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import mlx.core as mx
 import pytest
@@ -227,3 +228,51 @@ def test_init_device_sets_and_unsets_the_ngram_proposer(home: str) -> None:
     w.init_device(config={"speculative_method": "none"}, reset=True)
     w.load_model()
     assert w.runner.proposer is None
+
+
+def _vision_checkpoint(home: str, dest, family: str, weights: bool) -> str:
+    """builtin:tiny's llama as the text half of a `family` checkpoint (mlx-lm's layout for it:
+    text_config, weights under language_model.), with a vision_config."""
+    import shutil
+
+    from sidecar.models import resolve_model
+
+    src = resolve_model("builtin:tiny", home)
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, dest / f.name)
+    text = json.loads((src / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({"model_type": family, "text_config": text,
+                                                  "vision_config": {"hidden_size": 32}}))
+    if weights:
+        mx.save_safetensors(str(dest / "model.safetensors"), {
+            f"language_model.{k}": v for k, v in mx.load(str(src / "model.safetensors")).items()})
+    return str(dest)
+
+
+def test_a_vision_family_without_served_images_serves_its_text_half_or_is_refused_by_name(home, tmp_path) -> None:
+    """pixtral (mlx-lm has its text half): loads, an image is refused naming the family. llava
+    (mlx-lm has not): refused at load_model naming the family and the served ones."""
+    import numpy as np
+
+    from sidecar.wire.multimodal import encode_tensor
+
+    w = MLXWorker(Config(model=_vision_checkpoint(home, tmp_path / "pixtral", "pixtral", True), home=home))
+    w.init_device()
+    w.load_model()
+    w.initialize_cache(16, 0)
+    item = {"modality": "image", "identifier": "x", "mm_hash": "x", "mm_position": {"offset": 1, "length": 2},
+            "data": {"pixel_values": encode_tensor(np.zeros((1, 3, 4, 4), np.float32))}}
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model({"scheduled_new_reqs": [{"req_id": "r", "prompt_token_ids": [1, 2, 3, 4],
+                                                 "sampling_params": {"temperature": 0.0}, "block_ids": [[0]],
+                                                 "num_computed_tokens": 0, "mm_features": [item]}],
+                         "num_scheduled_tokens": {"r": 4}, "total_num_scheduled_tokens": 4})
+    assert e.value.field == "scheduled_new_reqs[0].mm_features" and "pixtral" in str(e.value)
+    w = MLXWorker(Config(model=_vision_checkpoint(home, tmp_path / "llava", "llava", False), home=home))
+    w.init_device()
+    with pytest.raises(ProtocolError) as e:
+        w.load_model()
+    assert e.value.field == "config.model" and "llava is a vision-language family" in str(e.value)
+    assert "qwen2_5_vl" in str(e.value) and w.model is None
