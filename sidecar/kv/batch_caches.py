@@ -123,9 +123,11 @@ def probe_batched(runner: Any) -> None:
         the logits of both steps."""
         pool, saved = runner.pool, runner.requests
         try:
-            runner.pool, runner.requests = KVPool(runner.specs, 8), {}
+            per = -(-(len(prompts[0]) + 1) // runner.specs[0].block_size)  # blocks for a prompt and its decode
+            runner.pool, runner.requests = KVPool(runner.specs, per * len(prompts)), {}
             greedy = SamplingParams(temperature=0.0)
-            states = [RequestState(f"probe-{i}", p, greedy, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+            states = [RequestState(f"probe-{i}", p, greedy, list(range(per * i, per * (i + 1))))
+                      for i, p in enumerate(prompts)]
             out: list = []
             for step in range(2):
                 rows = [Row(s, 0, s.prompt_token_ids, s.block_ids, True) if step == 0 else

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sidecar.kv.batch_caches import read_bounded, read_limit, step_batches
 from sidecar.kv.spec import STATE, LayerSpec, ModelCaches
 from sidecar.engine.state import RequestState, Row
@@ -16,6 +18,23 @@ def test_probe_finds_models_that_cannot_take_padded_batches(home: str) -> None:
         w = served(home, family)
         assert w.runner.caches.scalar_offsets is one_row, family
         assert w.runner.decode_ahead is (not one_row and w.config.decode_ahead)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_small_blocks_load_and_serve_mlx_lm_greedy(make_worker, oracle_model, block_size: int) -> None:
+    """The load-time probe gives its prompts as many blocks as they span at any block size (it
+    once assumed two), and a batch over blocks of one to three tokens keeps mlx-lm's tokens."""
+    from tests.conftest import mlx_lm_greedy
+    from tests.driver import Driver
+
+    w = make_worker(num_blocks=128, block_size=block_size)
+    d = Driver(w.execute_model, block_size, 128)
+    prompts = {"a": [5, 9, 13, 17, 21, 25, 29], "b": [40, 41, 42, 43]}
+    for rid, p in prompts.items():
+        d.add(rid, p)
+    got = d.run(4, chunk=3)
+    for rid, p in prompts.items():
+        assert got[rid] == mlx_lm_greedy(oracle_model("builtin:tiny"), p, 4)[0], rid
 
 
 def test_batches_of_models_that_cannot_take_padding() -> None:
