@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from bench.serve import EXTRA_BODY, PY, counted_tokens, free_port, main, summarise, tree_cpu_seconds, wait_http
+from bench.serve import PY, counted_tokens, eos_token_ids, extra_body, free_port, main, summarise, tree_cpu_seconds, wait_http
 
 
 def run(side: str, c: int, tok_s: float) -> dict:
@@ -73,8 +73,15 @@ def test_mlx_lm_server_takes_the_clients_request_with_the_extra_body(tmp_path) -
         wait_http(f"http://127.0.0.1:{port}/v1/models", 120, [server])
         status, text = post(sent)
         assert status == 400 and "logprobs" in text  # the client's own body: what left the column empty
-        status, text = post({**sent, **EXTRA_BODY["mlx-lm"]})  # the client merges --extra-body last
+        # The client merges --extra-body last. eos banned: a prompt whose greedy first token is eos
+        # would otherwise stream no text (the client's "failed") and stop at 0 tokens.
+        eos = eos_token_ids(weights)
+        assert eos
+        status, text = post({**sent, "logit_bias": {str(t): 1e9 for t in eos}, "logprobs": False})
+        assert status == 200 and '"finish_reason": "stop"' in text and '"completion_tokens": 4' not in text  # control
+        status, text = post({**sent, **extra_body("mlx-lm", eos)})
         assert status == 200 and '"completion_tokens": 4' in text
+        assert extra_body("sidecar", eos) is None
     finally:
         server.terminate()
         server.wait(30)
