@@ -278,7 +278,7 @@ class MLXWorker(StateMachine):
         # The memory profile already ran these forwards on this model: a second run warms nothing
         # more (MLX compiles a kernel on its first use) and, on a CPU backend, costs minutes.
         seconds = 0.0 if self._warm_shape == self._shape() else profile_run(self.runner, self.config)
-        self._warm_shape = self._shape()
+        self._warm_shape = None  # (once: a warm-up asked for again runs)
         mx.clear_cache()
         self.state = S.READY
         return {"language_model": seconds, "encoder": 0.0} if compilation_times else seconds
