@@ -11,7 +11,8 @@ is the host cost that stays). JSON with every run goes to `--json`.
 Sides (each only when installed): `sidecar` (vLLM's OpenAI server with the sidecar's platform
 plugin: async scheduling), `sidecar-sync` (the same, `--no-async-scheduling`), `worker-cls`
 (plain vLLM, `--worker-cls` only), `vllm-mlx` (.venv-vllm-mlx: vllm-mlx 0.6.0
-`serve --continuous-batching`) and `mlx-lm` (`mlx_lm.server`).
+`serve --continuous-batching`) and `mlx-lm` (`mlx_lm.server`, which needs two request fields of its
+own: `extra_body`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,35 @@ BENCH_SERVE = ("import sys; from vllm.utils.argparse_utils import FlexibleArgume
                "from vllm.benchmarks.serve import add_cli_args, main; p = P(); add_cli_args(p); main(p.parse_args())")
 
 
+def eos_token_ids(model_dir: str) -> list[int]:
+    """The model's end-of-sequence ids (config.json, generation_config.json)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = Path(model_dir) / name
+        if f.exists():
+            v = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(v if isinstance(v, list) else [] if v is None else [v])
+    return sorted(ids)
+
+
+def extra_body(side: str, eos_ids: Sequence[int]) -> dict | None:
+    """Request fields a side needs beyond what the client sends. mlx_lm.server answers the client's
+    `"logprobs": null` with 400 "logprobs must be of type bool" (false means the same), and has no
+    `ignore_eos`: a request whose first token is eos streams no text and the client counts it as
+    failed, so eos is banned by `logit_bias` instead (every request then runs its full length)."""
+    if side != "mlx-lm":
+        return None
+    return {"logprobs": False, "logit_bias": {str(t): -1e9 for t in eos_ids}}
+
+
+def counted_tokens(side: str, result: dict, output_len: int) -> int:
+    """Output tokens of a run: completed x output length (the client's re-tokenised count is wrong
+    for a server that streams several tokens per chunk), except mlx_lm.server's, counted by its own
+    usage figures (the client reads them from the stream): it has no `ignore_eos` to hold it to the
+    length."""
+    return result["total_output_tokens"] if side == "mlx-lm" else result["completed"] * output_len
+
+
 def bench_once(side: Side, concurrency: int, args: argparse.Namespace, out_dir: Path) -> dict:
     name = f"{side.name}-c{concurrency}-{time.monotonic_ns()}.json"
     argv = [str(VLLM_PY), "-c", BENCH_SERVE, "--backend", "openai",
@@ -152,13 +182,16 @@ def bench_once(side: Side, concurrency: int, args: argparse.Namespace, out_dir: 
             str(max(args.num_prompts, 2 * concurrency)), "--max-concurrency", str(concurrency), "--num-warmups",
             str(min(concurrency, 4)), "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
             "--disable-tqdm", "--ready-check-timeout-sec", "0"]
+    body = extra_body(side.name, eos_token_ids(side.paths["vllm_dir"]))
+    if body:
+        argv += ["--extra-body", json.dumps(body)]
     cpu0 = side.cpu_seconds()
     r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     cpu = side.cpu_seconds() - cpu0
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {side.name} failed:\n{r.stderr[-3000:]}")
     res = json.loads((out_dir / name).read_text())
-    tokens = res["completed"] * args.output_len
+    tokens = counted_tokens(side.name, res, args.output_len)
     return {"side": side.name, "concurrency": concurrency, "completed": res["completed"], "failed": res.get("failed", 0),
             "tok_s": tokens / res["duration"], "median_ttft_ms": res["median_ttft_ms"],
             "median_tpot_ms": res["median_tpot_ms"], "cpu_s_per_token": cpu / max(tokens, 1)}

@@ -10,9 +10,19 @@ changes what only made sense for a local model:
 | worker class (`--worker-cls` auto) | vLLM's CPU worker | `MLXSidecarWorker` | the model is in the sidecar |
 | `--async-scheduling` | forced off | vLLM's own default (on), or as given | the worker sends step n + 1 before step n's reply is read, hiding vLLM's per-step work |
 | `--block-size` (when not given) | 128 | 16 | vLLM's default elsewhere; the sidecar's paged attention has no preference for 128 |
-| KV memory | `VLLM_CPU_KVCACHE_SPACE` when set | `--kv-cache-memory-bytes`, else the sidecar's `determine_available_memory` | the pool is in the sidecar's memory, not this host's |
+| KV memory | `VLLM_CPU_KVCACHE_SPACE` when set | `--kv-cache-memory-bytes`, else the sidecar's `determine_available_memory` up to `--max-num-seqs` x `--max-model-len` tokens | the pool is in the sidecar's memory, not this host's; a pool of most of the free memory takes minutes to fill on a CPU backend |
 | executor (`--distributed-executor-backend` not given) | a separate worker process (`mp`) | in the engine process (`uni`) | the worker only talks HTTP: a process hop per step less, and no busy-polling process on the CPU |
 | torch threads | vLLM binds its CPU worker's OpenMP threads | left alone | no torch compute runs here |
+| `--max-num-batched-tokens` (CLI, not given) | 2048 | 256 | the sidecar's warm-up shape: one prefill of this many tokens, measured at start-up (below) |
+| `--max-num-seqs` (CLI, not given) | 128 | 32 | the decode batch the warm-up computes, and the KV pool's reach (worker.py) |
+
+The warm-up shape: the sidecar measures its activation peak and warms up with one prefill of
+`--max-num-batched-tokens` tokens and one decode batch of `--max-num-seqs` sequences. vLLM's CPU
+defaults (2048, 128) take minutes on a CPU backend, where every prompt token costs about a decode
+step; 256 and 32 take seconds there, and on a GPU cost prefill throughput only for prompts longer
+than 256 tokens (chunked into steps of 256). Given flags always win; the defaults are the command
+line's (`vllm serve`, `python -m vllm.entrypoints.openai.api_server`): the offline `LLM(...)` class
+takes vLLM's own unless given.
 
 Speculative decoding: the sidecar proposes the drafts after each step, which vLLM only takes
 between steps, so with a `speculative_config` async scheduling is turned off (logged) and steps
@@ -32,9 +42,16 @@ log = logging.getLogger("vllm.mlx_sidecar")  # vLLM shows its own loggers' outpu
 
 WORKER_CLS = "sidecar.vllm.worker.MLXSidecarWorker"
 BLOCK_SIZE = 16
+MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS = 256, 32  # the command line's defaults: the warm-up shape
 
 
 class MLXSidecarPlatform(CpuPlatform):
+    @classmethod
+    def pre_register_and_update(cls, parser: Any = None) -> None:
+        super().pre_register_and_update(parser)
+        if parser is not None:  # vLLM's CLI parser: defaults only, a given flag wins
+            parser.set_defaults(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)
+
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         sc, cc, pc = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.parallel_config

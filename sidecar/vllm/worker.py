@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 import torch
+from vllm.platforms import current_platform
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from sidecar.client.remote import RemoteError, RemoteWorker
@@ -30,6 +31,7 @@ from sidecar.vllm import convert, dp
 from sidecar.vllm.async_steps import AsyncSteps
 from sidecar.vllm.progress import heartbeat, warm_up_shape
 from sidecar.vllm.convert import Unsupported
+from sidecar.vllm.platform import MLXSidecarPlatform
 from sidecar.vllm.recovery import Recovering, SidecarLost
 
 log = logging.getLogger("vllm.mlx_sidecar")  # vLLM shows its own loggers' output only
@@ -135,7 +137,17 @@ class MLXSidecarWorker(WorkerBase):
         if cc.kv_cache_memory_bytes is not None:
             return self._call("determine_available_memory", kv_cache_memory_bytes=int(cc.kv_cache_memory_bytes))
         with heartbeat("measuring activation memory with " + warm_up_shape(self.scheduler_config)):
-            return self._call("determine_available_memory", gpu_memory_utilization=float(cc.gpu_memory_utilization))
+            free = self._call("determine_available_memory", gpu_memory_utilization=float(cc.gpu_memory_utilization))
+        if not isinstance(current_platform, MLXSidecarPlatform):
+            return free
+        # The plugin's default pool: what max_num_seqs requests of max_model_len tokens can hold,
+        # not most of the host's free memory (which takes minutes to fill on a CPU backend).
+        reach = self._call("get_cache_block_size_bytes") * (
+            self.scheduler_config.max_num_seqs * -(-self.model_config.max_model_len // cc.block_size) + 1)
+        if reach < free:
+            log.info("MLX sidecar: KV pool of %d bytes (max_num_seqs x max_model_len) of the %d the sidecar offers; "
+                     "--kv-cache-memory-bytes sets another", reach, free)
+        return min(free, reach)
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         self._call("initialize_from_config", kv_cache_config=convert.kv_cache_config(kv_cache_config))

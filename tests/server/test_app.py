@@ -52,7 +52,7 @@ def test_lifecycle_over_remote_worker(server, remote: RemoteWorker, oracle_model
     per_block = remote.get_cache_block_size_bytes()
     assert per_block == sum(s["page_size_bytes"] for s in spec.values())
     remote.initialize_cache(num_gpu_blocks=min(256, free // per_block))
-    assert remote.compile_or_warm_up_model() > 0
+    assert remote.compile_or_warm_up_model() == 0.0  # the memory profile ran these forwards already
     remote.check_health()
     model = remote.get_model()
     assert model["type"] == "llama" and model["path"].endswith("tiny-v2")

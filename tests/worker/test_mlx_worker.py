@@ -57,6 +57,26 @@ def test_available_memory_accounts_for_weights_and_activations(make_worker) -> N
     assert w.activation_peak_bytes > 0
 
 
+def test_warm_up_after_the_memory_profile_runs_nothing_again(home: str, monkeypatch) -> None:
+    import sidecar.worker.mlx_worker as mw
+
+    runs: list[tuple[int, int]] = []
+    real = mw.profile_run
+    monkeypatch.setattr(mw, "profile_run", lambda r, c: runs.append((c.max_num_batched_tokens, c.max_num_seqs)) or real(r, c))
+    w = MLXWorker(Config(home=home, max_num_batched_tokens=64, max_num_seqs=4))
+    w.init_device()
+    w.load_model()
+    w.determine_available_memory()
+    w.initialize_cache(8)
+    assert w.compile_or_warm_up_model() == 0.0 and w.state == State.READY
+    assert runs == [(64, 4)]  # measured once: the warm-up had run at that shape
+    w.init_device(config={"max_num_batched_tokens": 32}, reset=True)  # another shape: warmed up again
+    w.load_model()
+    w.initialize_cache(8)
+    assert w.compile_or_warm_up_model() > 0
+    assert runs == [(64, 4), (32, 4)]
+
+
 def test_initialize_from_config(make_worker) -> None:
     w = make_worker()
     names = list(w.get_kv_cache_spec())
