@@ -6,7 +6,11 @@
   sequential read of one file of the same size in the same directory.
 - Steady-state decode with saving on against the same server with the store unused (a step
   without store fields takes the store-off path), interleaved.
-- The size bound under a workload that writes 3x it (a third server with a small bound).
+- The size bound under a workload that writes 3x it (a third server with a small bound, fed
+  prompts of one bound's worth of blocks each).
+
+The stage's servers take the prefix plus some room as their max_model_len (builtin:small's own
+is 2048 positions; its rotary embedding has no limit).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from typing import Any, Callable
 
 from bench.scenarios import Bench, decode_rate, median
 from bench.sides import SidecarSide, requests_for
+from sidecar.kv.segment import HEAD, SUFFIX
 from sidecar.scheduler import Scheduler
 
-ENTRY_HEADER = 56  # sidecar/kv/store.py: magic, key, length, checksum
+SEGMENTS = f"segments/*{SUFFIX}"  # sidecar/kv/store.py's files
 
 
 def _run(side: SidecarSide, prompt: list[int], new: int, tag: str,
@@ -84,7 +89,8 @@ def kv_store(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) -> No
     p = b.params
     root = tempfile.mkdtemp(prefix="sidecar-bench-kv-")
     try:
-        store = {"kv_store_dir": str(Path(root) / "store"), "kv_store_max_gb": 64}
+        room = {"max_model_len": p.kv_store_prefix_len + 256}
+        store = {"kv_store_dir": str(Path(root) / "store"), "kv_store_max_gb": 64, **room}
         prompt = b.prompt(p.kv_store_prefix_len)
         first = make_side(store)
         cold, cold_tokens, _ = _run(first, prompt, p.kv_store_new_tokens, "kv_cold")
@@ -92,7 +98,7 @@ def kv_store(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) -> No
         first.close()
         first.server.stop()
         b.log(f"kv store: cold TTFT {cold:.3f}s ({p.kv_store_prefix_len} tokens), {saved['saved_blocks']} blocks saved")
-        cold_disk = _drop_cache(sorted(Path(store["kv_store_dir"]).glob("*/*.kvb")))  # as after a reboot
+        cold_disk = _drop_cache(sorted(Path(store["kv_store_dir"]).glob(SEGMENTS)))  # as after a reboot
         if not cold_disk:
             b.notes.append("kv store: the page cache could not be dropped here; loads and the plain read may be cached")
         second = make_side(store)  # a new server process on the same store
@@ -101,8 +107,9 @@ def kv_store(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) -> No
         # Read and verified by the steps that loaded (the pool write is in the TTFT, not here).
         load_gbps = info["bytes_read"] / info["read_seconds"] / 1e9 if info["read_seconds"] else float("nan")
         plain = _plain_read_gbps(root, info["bytes_read"])
-        b.log(f"kv store: TTFT from the store after a restart {warm:.3f}s ({info['loaded_blocks']} blocks), "
-              f"load {load_gbps:.2f} GB/s, plain read {plain:.2f} GB/s")
+        segments = len(list(Path(store["kv_store_dir"]).glob(SEGMENTS)))
+        b.log(f"kv store: TTFT from the store after a restart {warm:.3f}s ({info['loaded_blocks']} blocks in "
+              f"{segments} segment files), load {load_gbps:.2f} GB/s, plain read {plain:.2f} GB/s")
         # Steady-state decode: saving on vs off, on this server (no store fields: the store-off path).
         on, off = [], []
         for i in range(p.kv_store_decode_repeats):
@@ -113,16 +120,17 @@ def kv_store(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) -> No
         second.close()
         second.server.stop()
         # The size bound: a small store, written to 3x its bound.
-        entry = info["bytes_read"] // max(1, info["loaded_blocks"]) + ENTRY_HEADER
+        entry = info["bytes_read"] // max(1, info["loaded_blocks"]) + HEAD.size
         bound = p.kv_store_bound_blocks * entry
-        third = make_side({"kv_store_dir": str(Path(root) / "bounded"), "kv_store_max_gb": bound / (1 << 30)})
-        per_prompt = max(1, (p.kv_store_prefix_len - 1) // third.block_size)
-        sizes = []
+        third = make_side({"kv_store_dir": str(Path(root) / "bounded"), "kv_store_max_gb": bound / (1 << 30), **room})
+        prompt_len = min(p.kv_store_prefix_len, p.kv_store_bound_blocks * third.block_size + 1)
+        per_prompt = max(1, (prompt_len - 1) // third.block_size)
+        sizes, on_disk = [], 0
         for _ in range(-(-3 * p.kv_store_bound_blocks // per_prompt)):
-            _run(third, b.prompt(p.kv_store_prefix_len), 1, "kv_bound")
+            _run(third, b.prompt(prompt_len), 1, "kv_bound")
             sizes.append(_drained(third)["size_bytes"])
+            on_disk = max(on_disk, sum(f.stat().st_size for f in (Path(root) / "bounded").glob(SEGMENTS)))
         bounded = _drained(third)
-        on_disk = sum(f.stat().st_size for f in (Path(root) / "bounded").glob("*/*.kvb"))
         third.close()
         third.server.stop()
     finally:
@@ -138,5 +146,10 @@ def kv_store(b: Bench, make_side: Callable[[dict[str, Any]], SidecarSide]) -> No
         kv_store_bound_size_bytes=max(max(sizes), on_disk), kv_store_bound_evictions=bounded["evictions"],
         kv_store_bound_ratio=max(max(sizes), on_disk) / bounded["max_bytes"],
     )
+    r = b.results
+    b.log(f"kv store ratios: TTFT {r['kv_store_ttft_ratio']:.3f} (goal <= 0.1, tokens equal: {cold_tokens == warm_tokens}), "
+          f"load bandwidth {r['kv_store_bandwidth_ratio']:.2f} (>= 0.5), decode {r['kv_store_decode_ratio']:.3f} "
+          f"(>= 0.97), size/bound {r['kv_store_bound_ratio']:.2f} (<= 1) after {bounded['bytes_written'] / bound:.1f}x "
+          f"the bound written")
     if cold_tokens != warm_tokens:
         b.notes.append("kv store: the tokens served from the store differ from the cold run's")

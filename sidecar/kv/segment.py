@@ -85,25 +85,37 @@ def verify(head: bytes | memoryview, key: bytes, payload: memoryview) -> bool:
 def read_run(fd: int, offset: int, run: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
     """Read entries lying back to back from `offset` of an open segment, each (key, slot) payload
     into its slot (sized by the index's length); whether each one verified."""
-    ok: list[bool] = []
-    start = 0
+    return check(run, *fill(fd, offset, run))
+
+
+def fill(fd: int, offset: int, run: Sequence[tuple[bytes, memoryview]]) -> tuple[memoryview, int]:
+    """The reading half of `read_run`: the headers read, and how many bytes of the run were read."""
+    heads = memoryview(bytearray(HEAD.size * len(run)))
+    got, start = 0, 0
     while start < len(run):
         end, nbytes = start, 0
         while end < len(run) and end - start < _IOV and (end == start or nbytes + len(run[end][1]) < _MAX_READ):
             nbytes += HEAD.size + len(run[end][1])
             end += 1
-        heads = bytearray(HEAD.size * (end - start))
-        hv = memoryview(heads)
         iov: list[memoryview] = []
-        for j, (_, slot) in enumerate(run[start:end]):
-            iov += [hv[j * HEAD.size:(j + 1) * HEAD.size], slot]
-        got = _preadv(fd, iov, offset)
-        for j, (key, slot) in enumerate(run[start:end]):
-            need = HEAD.size + len(slot)
-            ok.append(got >= need and verify(hv[j * HEAD.size:(j + 1) * HEAD.size], key, slot))
-            got -= need
+        for j in range(start, end):
+            iov += [heads[j * HEAD.size:(j + 1) * HEAD.size], run[j][1]]
+        n = _preadv(fd, iov, offset)
+        got += n
+        if n < nbytes:
+            break  # the end of the file: the rest of the run is missing
         offset += nbytes
         start = end
+    return heads, got
+
+
+def check(run: Sequence[tuple[bytes, memoryview]], heads: memoryview, got: int) -> list[bool]:
+    """The verifying half of `read_run`."""
+    ok: list[bool] = []
+    for j, (key, slot) in enumerate(run):
+        need = HEAD.size + len(slot)
+        ok.append(got >= need and verify(heads[j * HEAD.size:(j + 1) * HEAD.size], key, slot))
+        got -= need
     return ok
 
 

@@ -9,9 +9,9 @@ Entries are packed into segment files (`segments/<id>.kvs`): the writer thread w
 queued (a step's saved blocks, usually the consecutive blocks of one prompt) as one segment, temp
 file + rename, then records it in a SQLite index (stdlib sqlite3, WAL) mapping each key to its
 (segment, offset, length). A load of a prompt's blocks is then a few large sequential reads
-instead of an open, stat and read per block. Eviction is LRU by segment: a lookup marks the
-segments holding its blocks as used, and before each write the least recently used segments are
-deleted until the new one fits the bound, so the bytes on disk never exceed it.
+instead of an open, stat and read per block. Eviction is LRU by segment (a lookup marks the
+segments holding its blocks used; before each write the least recently used are deleted until
+the new one fits the bound), so the bytes on disk never exceed it.
 
 Files are the truth: opening the store drops temp files a killed writer left, indexes segment
 files the index missed (renamed just before a kill) and forgets rows whose file is gone. Files
@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -42,6 +43,7 @@ from sidecar.kv.store_index import Index, Row
 log = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 64 << 20  # a segment's size cap, and at most 1/16 of the bound (eviction granularity)
+READ_BYTES = 4 << 20  # a load reads runs of adjacent entries in pieces of about this size
 _RECENT_EVICTIONS = 1 << 16  # keys remembered as evicted: a load of one is a miss, not an unknown hash
 
 
@@ -98,6 +100,8 @@ class BlockStore:
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader")
+        self._reader.submit(int)  # its thread starts now, not in the first load
 
     # --- paths and recovery ----------------------------------------------------------------
 
@@ -197,9 +201,8 @@ class BlockStore:
         for k, data in pending.items():
             slots[k][:] = data
         bad, gone = self._read(rows, slots)
-        if bad or gone:
-            self._drop(bad, corrupt=True)
-            self._drop(gone, corrupt=False)
+        self._drop(bad, corrupt=True)
+        self._drop(gone, corrupt=False)
         out = [None if k not in slots or k in bad or k in gone else slots[k] for k in keys]
         with self._lock:  # (a reader may run beside the writer)
             hits = [v for v in out if v is not None]
@@ -212,38 +215,50 @@ class BlockStore:
     def _read(self, rows: dict[bytes, Row],
               slots: dict[bytes, memoryview]) -> tuple[set[bytes], set[bytes]]:
         """Read the indexed entries into their slots, a vector read per run of adjacent entries;
-        the keys that failed verification, and those whose segment is gone (evicted meanwhile)."""
-        by_segment: dict[int, list[tuple[int, bytes]]] = {}
-        for k, (s, p, _) in rows.items():
-            by_segment.setdefault(s, []).append((p, k))
+        the keys that failed verification, and those whose segment is gone (evicted meanwhile).
+        The reader thread reads the next run while this one verifies the last: disk and checksum
+        overlap."""
+        runs: list[tuple[int, int, list[tuple[bytes, memoryview]]]] = []  # (segment, offset, entries)
+        end, nbytes = -1, 0
+        for k, (sid, pos, _) in sorted(rows.items(), key=lambda kv: kv[1][:2]):
+            if not runs or runs[-1][0] != sid or pos != end or nbytes >= READ_BYTES:
+                runs.append((sid, pos, []))
+                nbytes = 0
+            runs[-1][2].append((k, slots[k]))
+            end = pos + segment.HEAD.size + len(slots[k])
+            nbytes += end - pos
         bad: set[bytes] = set()
         gone: set[bytes] = set()
-        for s, items in by_segment.items():
-            items.sort()
-            try:
-                fd = os.open(self.segment_path(s), os.O_RDONLY)
-            except OSError:
-                gone.update(k for _, k in items)
-                continue
-            try:
-                run: list[tuple[bytes, memoryview]] = []
-                start = end = 0
-                for p, k in items + [(-1, b"")]:
-                    if run and p != end:
-                        for (rk, _), ok in zip(run, segment.read_run(fd, start, run)):
-                            if not ok:
-                                bad.add(rk)
-                        run = []
-                    if p < 0:
-                        break
-                    if not run:
-                        start = end = p
-                    run.append((k, slots[k]))
-                    end += segment.HEAD.size + len(slots[k])
-            except OSError:
-                bad.update(k for _, k in items)
-            finally:
-                os.close(fd)
+        fds: dict[int, int] = {}
+
+        def fill(i: int) -> tuple[memoryview, int] | None:
+            sid, pos, run = runs[i]
+            if sid not in fds:
+                try:
+                    fds[sid] = os.open(self.segment_path(sid), os.O_RDONLY)
+                except OSError:
+                    fds[sid] = -1
+            return None if fds[sid] < 0 else segment.fill(fds[sid], pos, run)
+
+        try:
+            ahead = self._reader.submit(fill, 0) if runs else None
+            for i, (_, _, run) in enumerate(runs):
+                assert ahead is not None
+                try:
+                    got = ahead.result()
+                except OSError:
+                    got = (memoryview(b""), 0)  # unreadable: every entry of the run fails
+                ahead = self._reader.submit(fill, i + 1) if i + 1 < len(runs) else None
+                if got is None:
+                    gone.update(k for k, _ in run)
+                else:
+                    bad.update(k for (k, _), ok in zip(run, segment.check(run, *got)) if not ok)
+        finally:
+            if ahead is not None:
+                ahead.exception()  # (wait: the reader must not outlive the descriptors)
+            for fd in fds.values():
+                if fd >= 0:
+                    os.close(fd)
         for k in sorted(bad):
             log.warning("kv store: entry %s is corrupt or truncated; dropped (a miss)", k.hex()[:16])
         return bad, gone
@@ -302,6 +317,7 @@ class BlockStore:
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout=30)
+        self._reader.shutdown()
         with self._lock:
             self._index.close()
 
