@@ -92,7 +92,8 @@ class KVTier:
         step = TierStep(invalid=[] if loads else None)
         nbytes, dropped = transfer.entry_bytes(pool), set()
         t0 = time.perf_counter()
-        got = iter(self.store.get_many([key for _, _, items in loads for _, _, key in items]))
+        keys = [key for _, _, items in loads for _, _, key in items]
+        got = iter(self.store.get_many(keys, out=transfer.staging(len(keys) * nbytes)) if keys else [])
         for rid, row, items in loads:
             datas = [next(got) for _ in items]
             for n, ((k, b, key), data) in enumerate(zip(items, datas)):

@@ -82,6 +82,22 @@ def verify(head: bytes | memoryview, key: bytes, payload: memoryview) -> bool:
     return check is not None and stored_key == key and n == len(payload) and check(payload) == crc
 
 
+def runs(entries: list[tuple[int, int, bytes, memoryview]],
+         piece: int) -> list[tuple[int, int, list[tuple[bytes, memoryview]]]]:
+    """Group (segment, offset, key, slot) entries into (segment, offset, [(key, slot)]) runs lying
+    back to back in a segment, in file order, cut into pieces of about `piece` bytes."""
+    out: list[tuple[int, int, list[tuple[bytes, memoryview]]]] = []
+    end, nbytes = -1, 0
+    for sid, pos, key, slot in sorted(entries, key=lambda e: e[:2]):
+        if not out or out[-1][0] != sid or pos != end or nbytes >= piece:
+            out.append((sid, pos, []))
+            nbytes = 0
+        out[-1][2].append((key, slot))
+        end = pos + HEAD.size + len(slot)
+        nbytes += end - pos
+    return out
+
+
 def read_run(fd: int, offset: int, run: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
     """Read entries lying back to back from `offset` of an open segment, each (key, slot) payload
     into its slot (sized by the index's length); whether each one verified."""

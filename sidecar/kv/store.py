@@ -157,6 +157,11 @@ class BlockStore:
 
     # --- reads -----------------------------------------------------------------------------
 
+    def keys(self) -> list[bytes]:
+        """Every stored key (queued ones aside), segment by segment in file order."""
+        with self._lock:
+            return self._index.keys()
+
     def contains(self, key: bytes) -> bool:
         with self._lock:
             if key in self._pending.items:
@@ -182,18 +187,21 @@ class BlockStore:
     def get(self, key: bytes) -> memoryview | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+    def get_many(self, keys: Sequence[bytes], out: memoryview | None = None) -> list[memoryview | None]:
         """Each key's payload, verified, or None for a miss (absent, truncated, corrupt or foreign).
         The payloads lie back to back in one buffer, in the order of the keys (a run of them can be
-        viewed as one array without a copy); entries adjacent in a segment are read together.
-        (Use is marked by `lookup`, which a scheduler calls right before it loads.)"""
+        viewed as one array without a copy): `out` when it is large enough (a byte buffer the
+        caller will use them from: no copy after the read), else a new one. Entries adjacent in a
+        segment are read together. (Use is marked by `lookup`, which a scheduler calls right
+        before it loads.)"""
         t0 = time.perf_counter()
         order = list(dict.fromkeys(keys))
         with self._lock:
             pending = {k: self._pending.items[k] for k in order if k in self._pending.items}
             rows = self._index.rows([k for k in order if k not in pending])
         sizes = {k: len(pending[k]) if k in pending else rows[k][2] for k in order if k in pending or k in rows}
-        buf = memoryview(np.empty(sum(sizes.values()), np.uint8))
+        total = sum(sizes.values())
+        buf = out.cast("B") if out is not None and out.nbytes >= total else memoryview(np.empty(total, np.uint8))
         slots, pos = {}, 0
         for k in order:
             if k in sizes:
@@ -218,15 +226,7 @@ class BlockStore:
         the keys that failed verification, and those whose segment is gone (evicted meanwhile).
         The reader thread reads the next run while this one verifies the last: disk and checksum
         overlap."""
-        runs: list[tuple[int, int, list[tuple[bytes, memoryview]]]] = []  # (segment, offset, entries)
-        end, nbytes = -1, 0
-        for k, (sid, pos, _) in sorted(rows.items(), key=lambda kv: kv[1][:2]):
-            if not runs or runs[-1][0] != sid or pos != end or nbytes >= READ_BYTES:
-                runs.append((sid, pos, []))
-                nbytes = 0
-            runs[-1][2].append((k, slots[k]))
-            end = pos + segment.HEAD.size + len(slots[k])
-            nbytes += end - pos
+        runs = segment.runs([(sid, pos, k, slots[k]) for k, (sid, pos, _) in rows.items()], READ_BYTES)
         bad: set[bytes] = set()
         gone: set[bytes] = set()
         fds: dict[int, int] = {}

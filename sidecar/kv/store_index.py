@@ -51,6 +51,9 @@ class Index:
     def segment_ids(self) -> set[int]:
         return {i for (i,) in self.db.execute("SELECT id FROM segments")}
 
+    def keys(self) -> list[bytes]:
+        return [k for (k,) in self.db.execute("SELECT key FROM blocks ORDER BY segment, pos")]
+
     def has(self, key: bytes) -> bool:
         return self.db.execute("SELECT 1 FROM blocks WHERE key = ?", (key,)).fetchone() is not None
 

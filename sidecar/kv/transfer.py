@@ -3,8 +3,8 @@
 An entry's payload is, for every K and V leaf of the pool in order (a quantised leaf: its packed
 data, scales and biases), the leaf's `[1, H, block_size, D]` slice for the block, head-major as
 the pool lays it out. Saving gathers all of a step's blocks on the device and copies them to the
-host at once; loading copies all of a step's blocks to the device at once (from the store's read
-buffer, without a host copy) and scatters them with one update per leaf. Recurrent state is not
+host at once; loading has the store read a step's blocks into one device buffer (`staging`) and
+scatters them from there with one update per leaf. Recurrent state is not
 kept: its value at a block boundary is not in the pool (one state slot per request), so models
 with recurrent layers are refused by name (`refusal`).
 """
@@ -90,9 +90,17 @@ def read_blocks(pool: KVPool, block_ids: Sequence[int]) -> list[memoryview]:
     return [memoryview(r) for r in rows]
 
 
-def _as_rows(payloads: Sequence[bytes | memoryview], size: int) -> np.ndarray:
-    """The payloads as one (n, size) byte array: a view when they lie back to back in one buffer
-    (as the store returns a step's loads), else one host copy."""
+def staging(nbytes: int) -> memoryview:
+    """Device memory for the store to read a step's loads into (unified memory on Apple silicon,
+    host memory on the CPU): the pool load then uses the bytes where the read left them."""
+    buf = mx.zeros((nbytes,), mx.uint8)
+    mx.eval(buf)
+    return memoryview(buf)
+
+
+def _as_rows(payloads: Sequence[bytes | memoryview], size: int) -> mx.array:
+    """The payloads as one (n, size) byte array on the device: a view when they lie back to back
+    in one device buffer (`staging`, as the store fills it), else one copy."""
     views = [np.frombuffer(p, np.uint8) for p in payloads]
     owner = memoryview(payloads[0]).obj
     if owner is not None and all(len(v) == size for v in views):
@@ -101,17 +109,19 @@ def _as_rows(payloads: Sequence[bytes | memoryview], size: int) -> np.ndarray:
         n = len(views)
         if 0 <= at <= whole.nbytes - n * size and all(
                 v.ctypes.data == views[0].ctypes.data + j * size for j, v in enumerate(views)):
-            return whole[at:at + n * size].reshape(n, size)
-    return np.stack(views)
+            if isinstance(owner, mx.array):
+                return owner[at:at + n * size].reshape(n, size)
+            return mx.array(whole[at:at + n * size].reshape(n, size))
+    return mx.array(np.stack(views))
 
 
 def write_blocks(pool: KVPool, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
     """Scatter payloads (from read_blocks, verified by the store) into these blocks, every leaf:
-    one host-to-device copy of all of them, then one update per leaf."""
+    at most one copy of all of them to the device (none from `staging`), then one update per leaf."""
     if not block_ids:
         return
     n, bs, idx = len(block_ids), pool.block_size, _slots(block_ids, pool.block_size)
-    rows = mx.array(_as_rows(payloads, entry_bytes(pool)))
+    rows = _as_rows(payloads, entry_bytes(pool))
     off = 0
     for a in _leaves(pool):
         H, D = a.shape[1], a.shape[3]

@@ -50,9 +50,10 @@ def test_namespace_covers_the_settings_and_recurrent_layers_are_refused():
     assert "m.1" in transfer.refusal([a, state])
 
 
-def test_loads_from_one_buffer_are_viewed_not_copied(tmp_path):
-    """The store returns a step's payloads back to back in one buffer: the pool load views them as
-    one array (no host copy); payloads from separate buffers are stacked; both load exactly."""
+def test_loads_read_into_staging_are_used_where_they_lie(tmp_path):
+    """The store reads a step's payloads back to back into one device buffer (`staging`): the pool
+    load views them there (no copy); payloads from separate buffers are copied once; both load
+    exactly."""
     from sidecar.kv.store import BlockStore, entry_key
 
     specs = [LayerSpec(4, 2, 64, 64, "bfloat16", name=f"l{i}") for i in range(2)]
@@ -64,12 +65,18 @@ def test_loads_from_one_buffer_are_viewed_not_copied(tmp_path):
     keys = [entry_key(b"ns", bytes([i])) for i in range(3)]
     store.put_many(list(zip(keys, payloads)))
     store.flush(10)
-    got = store.get_many(keys)
+    got = store.get_many(keys, out=transfer.staging(3 * size))
     store.close()
+
+    def address(a: mx.array) -> int:
+        mx.eval(a)
+        return np.asarray(memoryview(a)).ctypes.data
+
+    assert isinstance(memoryview(got[0]).obj, mx.array)
     rows = transfer._as_rows(got, size)
-    assert rows.shape == (3, size) and np.shares_memory(rows, np.frombuffer(got[1], np.uint8))
+    assert rows.shape == (3, size) and address(rows) == np.frombuffer(got[0], np.uint8).ctypes.data
     separate = [bytes(p) for p in payloads]
-    assert not np.shares_memory(transfer._as_rows(separate, size), np.frombuffer(separate[0], np.uint8))
+    assert address(transfer._as_rows(separate, size)) != np.frombuffer(separate[0], np.uint8).ctypes.data
     for data in (got, separate):
         dst = KVPool(specs, 6)
         _fill(dst, 1)
