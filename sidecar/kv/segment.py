@@ -49,13 +49,17 @@ def write(path: Path, entries: Sequence[tuple[bytes, bytes | memoryview]]) -> li
     """Write these (key, payload) entries as one segment, atomically; each entry's offset."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     offsets, pos, check = [], 0, CHECKSUMS[MAGIC]
-    with open(tmp, "wb") as f:
-        for key, payload in entries:
-            f.write(HEAD.pack(MAGIC, key, len(payload), check(payload)))
-            f.write(payload)
-            offsets.append(pos)
-            pos += HEAD.size + len(payload)
-    os.replace(tmp, path)  # a reader, or a store opened after a kill, sees the whole segment or none
+    try:
+        with open(tmp, "wb") as f:
+            for key, payload in entries:
+                f.write(HEAD.pack(MAGIC, key, len(payload), check(payload)))
+                f.write(payload)
+                offsets.append(pos)
+                pos += HEAD.size + len(payload)
+        os.replace(tmp, path)  # a reader, or a store opened after a kill, sees the whole segment or none
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk: nothing half-written stays behind)
+        raise
     return offsets
 
 

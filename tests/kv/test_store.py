@@ -274,3 +274,24 @@ def test_both_checksums_verify_and_an_unknown_one_is_a_miss(tmp_path: Path, monk
     path.write_bytes(bytes(raw))
     assert s.get(keys[2]) is None and s.stats.corrupt == 1
     s.close()
+
+
+def test_a_failed_write_leaves_nothing_behind_and_the_writer_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from sidecar.kv import segment
+
+    s = BlockStore(tmp_path, 1 << 30)
+    a, b = entry_key(NS, b"a"), entry_key(NS, b"b")
+    real = os.replace
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(segment.os, "replace", full_disk)
+    s.put(a, payload(1))
+    s.flush(10)
+    assert s.lookup([a]) == 0 and not list((tmp_path / "segments").iterdir()) and s.size_bytes == 0
+    monkeypatch.setattr(segment.os, "replace", real)
+    s.put(b, payload(2))
+    s.flush(10)
+    assert s.get(b) == payload(2) and s.size_bytes == ENTRY
+    s.close()
