@@ -105,10 +105,10 @@ def runs(entries: list[tuple[int, int, bytes, memoryview]],
 def read_run(fd: int, offset: int, run: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
     """Read entries lying back to back from `offset` of an open segment, each (key, slot) payload
     into its slot (sized by the index's length); whether each one verified."""
-    return check(run, *fill(fd, offset, run))
+    return _check(run, *_fill(fd, offset, run))
 
 
-def fill(fd: int, offset: int, run: Sequence[tuple[bytes, memoryview]]) -> tuple[memoryview, int]:
+def _fill(fd: int, offset: int, run: Sequence[tuple[bytes, memoryview]]) -> tuple[memoryview, int]:
     """The reading half of `read_run`: the headers read, and how many bytes of the run were read."""
     heads = memoryview(bytearray(HEAD.size * len(run)))
     got, start = 0, 0
@@ -129,7 +129,7 @@ def fill(fd: int, offset: int, run: Sequence[tuple[bytes, memoryview]]) -> tuple
     return heads, got
 
 
-def check(run: Sequence[tuple[bytes, memoryview]], heads: memoryview, got: int) -> list[bool]:
+def _check(run: Sequence[tuple[bytes, memoryview]], heads: memoryview, got: int) -> list[bool]:
     """The verifying half of `read_run`."""
     ok: list[bool] = []
     for j, (key, slot) in enumerate(run):

@@ -30,7 +30,6 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -43,7 +42,7 @@ from sidecar.kv.store_index import Index, Row
 log = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 64 << 20  # a segment's size cap, and at most 1/16 of the bound (eviction granularity)
-READ_BYTES = 4 << 20  # a load reads runs of adjacent entries in pieces of about this size
+READ_BYTES = 1 << 20  # a load reads runs of adjacent entries in pieces of about this size (measured: 1-4 MiB)
 _RECENT_EVICTIONS = 1 << 16  # keys remembered as evicted: a load of one is a miss, not an unknown hash
 
 
@@ -100,8 +99,6 @@ class BlockStore:
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader")
-        self._reader.submit(int)  # its thread starts now, not in the first load
 
     # --- paths and recovery ----------------------------------------------------------------
 
@@ -222,40 +219,29 @@ class BlockStore:
 
     def _read(self, rows: dict[bytes, Row],
               slots: dict[bytes, memoryview]) -> tuple[set[bytes], set[bytes]]:
-        """Read the indexed entries into their slots, a vector read per run of adjacent entries;
-        the keys that failed verification, and those whose segment is gone (evicted meanwhile).
-        The reader thread reads the next run while this one verifies the last: disk and checksum
-        overlap."""
-        runs = segment.runs([(sid, pos, k, slots[k]) for k, (sid, pos, _) in rows.items()], READ_BYTES)
+        """Read the indexed entries into their slots, a vector read per run of adjacent entries,
+        in pieces of READ_BYTES (a sequence of reads of a few MiB lets the OS read ahead; one
+        read of a whole run, and a reader thread handing pieces over, both measured slower);
+        the keys that failed verification, and those whose segment is gone (evicted meanwhile)."""
         bad: set[bytes] = set()
         gone: set[bytes] = set()
         fds: dict[int, int] = {}
-
-        def fill(i: int) -> tuple[memoryview, int] | None:
-            sid, pos, run = runs[i]
-            if sid not in fds:
-                try:
-                    fds[sid] = os.open(self.segment_path(sid), os.O_RDONLY)
-                except OSError:
-                    fds[sid] = -1
-            return None if fds[sid] < 0 else segment.fill(fds[sid], pos, run)
-
         try:
-            ahead = self._reader.submit(fill, 0) if runs else None
-            for i, (_, _, run) in enumerate(runs):
-                assert ahead is not None
-                try:
-                    got = ahead.result()
-                except OSError:
-                    got = (memoryview(b""), 0)  # unreadable: every entry of the run fails
-                ahead = self._reader.submit(fill, i + 1) if i + 1 < len(runs) else None
-                if got is None:
+            for sid, pos, run in segment.runs([(s, p, k, slots[k]) for k, (s, p, _) in rows.items()], READ_BYTES):
+                if sid not in fds:
+                    try:
+                        fds[sid] = os.open(self.segment_path(sid), os.O_RDONLY)
+                    except OSError:
+                        fds[sid] = -1
+                if fds[sid] < 0:
                     gone.update(k for k, _ in run)
-                else:
-                    bad.update(k for (k, _), ok in zip(run, segment.check(run, *got)) if not ok)
+                    continue
+                try:
+                    oks = segment.read_run(fds[sid], pos, run)
+                except OSError:
+                    oks = [False] * len(run)
+                bad.update(k for (k, _), ok in zip(run, oks) if not ok)
         finally:
-            if ahead is not None:
-                ahead.exception()  # (wait: the reader must not outlive the descriptors)
             for fd in fds.values():
                 if fd >= 0:
                     os.close(fd)
@@ -317,7 +303,6 @@ class BlockStore:
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout=30)
-        self._reader.shutdown()
         with self._lock:
             self._index.close()
 
