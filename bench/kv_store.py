@@ -83,8 +83,8 @@ def _read_rates(store_dir: str, scratch: str, repeats: int = 9) -> tuple[float, 
     out = memoryview(np.zeros(nbytes, np.uint8))
     path = Path(scratch) / "plain-read.bin"
     with open(path, "wb") as f:
-        for _ in range(max(1, nbytes >> 20)):
-            f.write(os.urandom(1 << 20))
+        for at in range(0, nbytes, 1 << 20):
+            f.write(os.urandom(min(1 << 20, nbytes - at)))
     size = path.stat().st_size
 
     def load() -> float:
