@@ -40,7 +40,7 @@ class TierCounters:
 @dataclass
 class TierStep:
     load_ids: list[int] = field(default_factory=list)
-    load_data: list[bytes] = field(default_factory=list)
+    load_data: list[memoryview] = field(default_factory=list)
     saves: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, store key)
     invalid: list[int] | None = None  # set when the step asked for loads
 
@@ -92,7 +92,8 @@ class KVTier:
         step = TierStep(invalid=[] if loads else None)
         nbytes, dropped = transfer.entry_bytes(pool), set()
         t0 = time.perf_counter()
-        got = iter(self.store.get_many([key for _, _, items in loads for _, _, key in items]))
+        keys = [key for _, _, items in loads for _, _, key in items]
+        got = iter(self.store.get_many(keys, out=transfer.staging(len(keys) * nbytes)) if keys else [])
         for rid, row, items in loads:
             datas = [next(got) for _ in items]
             for n, ((k, b, key), data) in enumerate(zip(items, datas)):
@@ -157,10 +158,8 @@ class KVTier:
         """Copy the step's computed blocks to host memory and queue them (after the forward is evaluated)."""
         if not step.saves:
             return
-        ids = [b for b, _ in step.saves]
-        for (_, key), data in zip(step.saves, transfer.read_blocks(pool, ids)):
-            if self.store.put(key, data):
-                self.counters.saved_blocks += 1
+        datas = transfer.read_blocks(pool, [b for b, _ in step.saves])
+        self.counters.saved_blocks += self.store.put_many([(key, d) for (_, key), d in zip(step.saves, datas)])
 
 
 _STORES: dict[str, BlockStore] = {}  # one open store per directory for the process (it outlives reloads)

@@ -2,10 +2,11 @@
 
 An entry's payload is, for every K and V leaf of the pool in order (a quantised leaf: its packed
 data, scales and biases), the leaf's `[1, H, block_size, D]` slice for the block, head-major as
-the pool lays it out. Saving gathers all of a step's blocks in one device-to-host copy per leaf;
-loading scatters all of a step's blocks with one update per leaf. Recurrent state is not kept:
-its value at a block boundary is not in the pool (one state slot per request), so models with
-recurrent layers are refused by name (`refusal`).
+the pool lays it out. Saving gathers all of a step's blocks on the device and copies them to the
+host at once; loading has the store read a step's blocks into one device buffer (`staging`) and
+scatters them from there with one update per leaf. Recurrent state is not
+kept: its value at a block boundary is not in the pool (one state slot per request), so models
+with recurrent layers are refused by name (`refusal`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from sidecar.kv.pool import KVPool
 from sidecar.kv.spec import STATE, LayerSpec
 
 FORMAT = 1
-_UINT = {1: (mx.uint8, np.uint8), 2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32)}
 
 
 def refusal(specs: Sequence[LayerSpec]) -> str | None:
@@ -79,29 +79,53 @@ def entry_bytes(pool: KVPool) -> int:
     return sum(a.shape[1] * pool.block_size * a.shape[3] * a.dtype.size for a in _leaves(pool))
 
 
-def read_blocks(pool: KVPool, block_ids: Sequence[int]) -> list[bytes]:
-    """Each block's payload (one device-to-host copy per leaf for all of them)."""
+def read_blocks(pool: KVPool, block_ids: Sequence[int]) -> list[memoryview]:
+    """Each block's payload: rows of one host array, filled by one device-to-host copy."""
     if not block_ids:
         return []
     n, bs, idx = len(block_ids), pool.block_size, _slots(block_ids, pool.block_size)
-    parts: list[np.ndarray] = []
-    for a in _leaves(pool):
-        g = a[:, :, idx].reshape(a.shape[1], n, bs, a.shape[3]).transpose(1, 0, 2, 3)
-        parts.append(np.array(g.view(_UINT[a.dtype.size][0])).reshape(n, -1))
-    return [b"".join(p[j].tobytes() for p in parts) for j in range(n)]
+    parts = [a[:, :, idx].reshape(a.shape[1], n, bs, a.shape[3]).transpose(1, 0, 2, 3).reshape(n, -1).view(mx.uint8)
+             for a in _leaves(pool)]
+    rows = np.array(mx.concatenate(parts, axis=1))
+    return [memoryview(r) for r in rows]
 
 
-def write_blocks(pool: KVPool, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-    """Scatter payloads (from read_blocks, verified by the store) into these blocks, every leaf."""
+def staging(nbytes: int) -> memoryview:
+    """Device memory for the store to read a step's loads into (unified memory on Apple silicon,
+    host memory on the CPU): the pool load then uses the bytes where the read left them."""
+    buf = mx.zeros((nbytes,), mx.uint8)
+    mx.eval(buf)
+    return memoryview(buf)
+
+
+def _as_rows(payloads: Sequence[bytes | memoryview], size: int) -> mx.array:
+    """The payloads as one (n, size) byte array on the device: a view when they lie back to back
+    in one device buffer (`staging`, as the store fills it), else one copy."""
+    views = [np.frombuffer(p, np.uint8) for p in payloads]
+    owner = memoryview(payloads[0]).obj
+    if owner is not None and all(len(v) == size for v in views):
+        whole = np.frombuffer(owner, np.uint8)
+        at = views[0].ctypes.data - whole.ctypes.data
+        n = len(views)
+        if 0 <= at <= whole.nbytes - n * size and all(
+                v.ctypes.data == views[0].ctypes.data + j * size for j, v in enumerate(views)):
+            if isinstance(owner, mx.array):
+                return owner[at:at + n * size].reshape(n, size)
+            return mx.array(whole[at:at + n * size].reshape(n, size))
+    return mx.array(np.stack(views))
+
+
+def write_blocks(pool: KVPool, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
+    """Scatter payloads (from read_blocks, verified by the store) into these blocks, every leaf:
+    at most one copy of all of them to the device (none from `staging`), then one update per leaf."""
     if not block_ids:
         return
     n, bs, idx = len(block_ids), pool.block_size, _slots(block_ids, pool.block_size)
+    rows = _as_rows(payloads, entry_bytes(pool))
     off = 0
     for a in _leaves(pool):
-        H, D, item = a.shape[1], a.shape[3], a.dtype.size
-        size = H * bs * D * item
-        mt, nt = _UINT[item]
-        rows = np.stack([np.frombuffer(p, nt, count=size // item, offset=off) for p in payloads])
-        x = rows.reshape(n, H, bs, D).transpose(1, 0, 2, 3).reshape(1, H, n * bs, D)
-        a[:, :, idx] = mx.array(x).view(a.dtype) if a.dtype != mt else mx.array(x)
+        H, D = a.shape[1], a.shape[3]
+        size = H * bs * D * a.dtype.size
+        x = rows[:, off:off + size].view(a.dtype).reshape(n, H, bs, D).transpose(1, 0, 2, 3)
+        a[:, :, idx] = x.reshape(1, H, n * bs, D)
         off += size

@@ -53,9 +53,10 @@ def test_store_serves_a_new_worker_and_a_corrupt_entry_is_recomputed(make_worker
     from sidecar.scheduler.kv_store import full_block_hashes
 
     hashes = full_block_hashes(Request("x", prompt, {}, 1), 6, BS)
-    path = tier.store.path(tier.key(hashes[2], ""))
+    path, off, size = tier.store.locate(tier.key(hashes[2], ""))
+    assert tier.store.locate(tier.key(hashes[3], ""))[0] == path  # a segment the prefill step wrote, shared
     raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0xFF
+    raw[off + size - 5] ^= 0xFF
     path.write_bytes(bytes(raw))
     w3 = make_worker(num_blocks=64, kv_store_dir=store_dir)
     got, s3 = generate(w3, [prompt], 6)

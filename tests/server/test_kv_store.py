@@ -54,7 +54,7 @@ def test_a_restarted_server_serves_the_prefix_from_the_store(home, oracle_model,
         metrics = httpx.get(f"{s.url}/metrics").text
         assert f"mlx_worker_kv_store_loaded_blocks_total {float((300 - 1) // 16)}" in metrics
         # Damage one entry: its load fails, the scheduler recomputes from there, tokens stay exact.
-        victim = sorted(Path(store).glob("*/*.kvb"))[0]
+        victim = sorted(Path(store).glob("segments/*.kvs"))[0]
         raw = bytearray(victim.read_bytes())
         raw[len(raw) // 2] ^= 0x55
         victim.write_bytes(bytes(raw))

@@ -69,7 +69,7 @@ def test_a_restarted_sidecar_serves_a_repeated_prompt_from_the_store(home: str, 
             assert hits == (200 - 1) // 16 * 16
             assert _store(server.url)["loaded_blocks"] == (200 - 1) // 16
             # Corrupt one entry and drop vLLM's in-memory hit: the load fails, vLLM recomputes.
-            victim = sorted(Path(store).glob("*/*.kvb"))[0]
+            victim = sorted(Path(store).glob("segments/*.kvs"))[0]
             raw = bytearray(victim.read_bytes())
             raw[len(raw) // 2] ^= 0x55
             victim.write_bytes(bytes(raw))
