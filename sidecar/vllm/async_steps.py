@@ -26,6 +26,7 @@ preemption and prefix hits need nothing: they are in the step itself. No MLX.
 
 from __future__ import annotations
 
+import http.client
 import threading
 from collections import deque
 from typing import Any, Callable
@@ -35,13 +36,17 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from sidecar.client.http1 import Connection
 from sidecar.client.remote import _LOST, MSGPACK, RemoteWorker, connect, result_of
+from sidecar.vllm.recovery import Recovering, SidecarLost, is_lost
 
 
 class Reply:
-    """One step in flight on one connection; `result()` reads its reply once, from any thread."""
+    """One numbered step in flight on one connection; `result()` reads its reply once, from any thread."""
 
-    def __init__(self, steps: "AsyncSteps", slot: int, body: bytes, headers: dict[str, str]):
-        self.steps, self.slot, self.body, self.headers = steps, slot, body, headers
+    def __init__(self, steps: "AsyncSteps", slot: int, scheduler_output: dict, step_id: int):
+        self.steps, self.slot, self.scheduler_output, self.step_id = steps, slot, scheduler_output, step_id
+        self.body, self.headers = b"", {}
+        self.sent = False
+        self.out: dict | None = None  # the reply, once read (by `result()`, or by a recovery's replay)
         self._lock = threading.Lock()
         self._done = False
         self._value: Any = None
@@ -61,28 +66,37 @@ class Reply:
 
 
 class Output(AsyncModelRunnerOutput):
-    def __init__(self, reply: Reply, convert: Callable[[dict], ModelRunnerOutput]):
+    def __init__(self, reply: Reply, convert: Callable[[dict | BaseException], ModelRunnerOutput]):
         self.reply, self.convert = reply, convert
 
     def get_output(self) -> ModelRunnerOutput:
         try:
             out = self.reply.result()
-        except _LOST as e:  # the sidecar is gone (resends spent): the caller names it
+        except (*_LOST, SidecarLost) as e:  # the sidecar is gone and was not recovered: the caller names it
             return self.convert(e)
         return self.convert(out)
 
 
 class AsyncSteps:
-    def __init__(self, remote: RemoteWorker, resends: int = 3):
-        self.remote, self.resends = remote, resends
+    """`recovering`: the worker's Recovering (sidecar/vllm/recovery.py). Every reply read is recorded
+    there in step order, so its ledger holds exactly the steps answered; a sidecar lost with steps
+    in flight is recovered, and those steps are sent again to the new instance (`replay`)."""
+
+    def __init__(self, remote: RemoteWorker, resends: int = 3, recovering: Recovering | None = None):
+        self.remote, self.resends, self.recovering = remote, resends, recovering
         self._conns: list[Connection | None] = [None, None]
         self._last: list[Reply | None] = [None, None]  # the last step sent on each connection
         self._inflight: deque[Reply] = deque()
         self._sent = 0
         self._settled = False  # the sidecar has handed one of our numbered steps to its MLX thread
+        self._lock = threading.RLock()  # sending, and recovering (vLLM may read replies from another thread)
         self.resent = 0
+        self.replayed = 0
+        if recovering is not None:
+            recovering.in_flight = self.replay
 
-    def execute(self, scheduler_output: dict, step_id: int, convert: Callable[[dict], ModelRunnerOutput]) -> Output:
+    def execute(self, scheduler_output: dict, step_id: int,
+                convert: Callable[[dict | BaseException], ModelRunnerOutput]) -> Output:
         """The step, sent now; vLLM reads its output later."""
         return Output(self.submit(scheduler_output, step_id), convert)
 
@@ -92,19 +106,17 @@ class AsyncSteps:
         prev = self._last[slot]
         if prev is not None:
             prev.result()  # vLLM has read it by now (two in flight); the connection is free again
-        body = msgpack.packb({"scheduler_output": scheduler_output, "step_id": step_id}, use_bin_type=True)
-        headers = {"content-type": MSGPACK}
-        if self.remote._headers.get("authorization"):
-            headers["authorization"] = self.remote._headers["authorization"]
-        if self.remote.instance_id:
-            headers["x-sidecar-expect-instance"] = self.remote.instance_id
-        reply = Reply(self, slot, body, headers)
-        self._send(reply)
-        self._sent += 1
-        self._last[slot] = reply
-        self._inflight.append(reply)
-        while self._inflight and self._inflight[0]._done:
-            self._inflight.popleft()
+        with self._lock:
+            reply = Reply(self, slot, scheduler_output, step_id)
+            self._sent += 1
+            self._last[slot] = reply
+            self._inflight.append(reply)
+            while self._inflight and self._inflight[0].out is not None:
+                self._inflight.popleft()
+            try:
+                self._send(reply)
+            except (OSError, http.client.HTTPException):  # gone: reading the reply sends it again, or recovers
+                self._drop(slot)
         if not self._settled:
             reply.result()  # the first step after a reset: settled before a second one is in flight
             self._settled = True
@@ -117,10 +129,8 @@ class AsyncSteps:
 
     def reset(self) -> None:
         """After the sidecar's step numbering restarted (init_device): close, settle again."""
-        for i, conn in enumerate(self._conns):
-            if conn is not None:
-                conn.close()
-            self._conns[i] = None
+        for i in range(2):
+            self._drop(i)
             self._last[i] = None
         self._inflight.clear()
         self._settled = False
@@ -128,26 +138,80 @@ class AsyncSteps:
     def close(self) -> None:
         self.reset()
 
+    def replay(self) -> int:
+        """On a rebuilt instance (called by Recovering after the refill): the steps in flight again,
+        in step order, the oldest read before the next is sent (the new instance settles first).
+        Lost again: raised, and Recovering rebuilds once more (the ledger then holds what was read)."""
+        with self._lock:
+            pending = [r for r in self._inflight if r.out is None]
+            for i in range(2):
+                self._drop(i)
+            for r in pending:
+                r.sent = False
+            for k, r in enumerate(pending):
+                self._send(r)
+                if k == 0:
+                    self._receive(r)
+            self.replayed += len(pending)
+            return len(pending)
+
+    def _drop(self, slot: int) -> None:
+        conn, self._conns[slot] = self._conns[slot], None
+        if conn is not None:
+            conn.close()
+
     def _conn(self, slot: int) -> Connection:
         if self._conns[slot] is None:
             self._conns[slot] = connect(self.remote.url, self.remote.timeout)
         return self._conns[slot]
 
     def _send(self, reply: Reply) -> None:
+        """Sent to the current instance, as it must see it (a resend repeats the same bytes)."""
+        headers = {"content-type": MSGPACK}
+        if self.remote._headers.get("authorization"):
+            headers["authorization"] = self.remote._headers["authorization"]
+        if self.remote.instance_id:
+            headers["x-sidecar-expect-instance"] = self.remote.instance_id
+        if not reply.body or headers != reply.headers:  # packed once per instance
+            so = reply.scheduler_output if self.recovering is None else self.recovering.as_sent(reply.scheduler_output)
+            reply.body = msgpack.packb({"scheduler_output": so, "step_id": reply.step_id}, use_bin_type=True)
+            reply.headers = headers
+        reply.sent = False
         self._conn(reply.slot).request("POST", "/rpc/execute_model", body=reply.body, headers=reply.headers)
+        reply.sent = True
+
+    def _receive(self, reply: Reply) -> dict:
+        resp = self._conn(reply.slot).getresponse()
+        out = result_of(resp, resp.read())
+        with self._lock:  # replies are read in step order: the ledger follows them
+            if self.recovering is not None:
+                self.recovering.applied(reply.scheduler_output, out)
+            reply.out = out
+        return out
 
     def _read(self, reply: Reply) -> Any:
-        for attempt in range(1 + self.resends):
+        attempt = 0
+        while reply.out is None:
             try:
-                if attempt:  # a lost reply: the same numbered step again, on a fresh connection
+                if not reply.sent:  # a lost reply: the same numbered step again, on a fresh connection
                     self._send(reply)
-                resp = self._conn(reply.slot).getresponse()
-                return result_of(resp, resp.read())
-            except _LOST:
-                conn, self._conns[reply.slot] = self._conns[reply.slot], None
-                if conn is not None:
-                    conn.close()
-                if attempt == self.resends:
+                self._receive(reply)
+            except Exception as e:
+                lost = isinstance(e, _LOST)
+                if not lost and not (self.recovering is not None and is_lost(e)):
                     raise
-                self.resent += 1
-        raise AssertionError("unreachable")
+                with self._lock:
+                    if reply.out is not None:  # a recovery on another thread replayed it meanwhile
+                        break
+                    self._drop(reply.slot)
+                    reply.sent = False
+                    if lost and attempt < self.resends:
+                        attempt += 1
+                        self.resent += 1
+                        continue
+                    if self.recovering is None:
+                        raise
+                    # Gone, or another instance answers: rebuilt, and the steps in flight sent again (`replay`).
+                    self.recovering.recover_or_fail(e)
+                    attempt = 0
+        return reply.out
