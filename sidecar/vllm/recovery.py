@@ -7,7 +7,8 @@ replayed, so vLLM sees one slow step.
    from a draining server or 409 `instance_mismatch`. The worker polls `/readyz` for up to
    `recover_timeout` seconds (logging once what it waits for); then fails naming the URL.
 2. Rebuild: the start-up calls vLLM made (`init_device` with reset, `load_model`,
-   `determine_available_memory`, the cache initialisation with the same block count), checked
+   `determine_available_memory` with the bytes the first instance found, so no profile forward
+   runs again, the cache initialisation with the same block count), checked
    against the model of the first instance; LoRA adapters re-added; sleep restored.
 3. Refill: from the ledger (sidecar/vllm/ledger.py), every block vLLM may still read is written
    again from the tokens the worker class saw for it: each live request's computed tokens into
@@ -128,6 +129,10 @@ class Recovering:
                 self.start_up.pop("initialize_cache", None)
                 self.start_up.pop("initialize_from_config", None)
             self.start_up[method] = kwargs
+            if method == "determine_available_memory" and isinstance(result, int) and result > 0:
+                # A new instance is held to the bytes this one measured: checked against its memory,
+                # without running the activation profile (a forward of the whole token budget) again.
+                self.start_up[method] = {"kv_cache_memory_bytes": result}
             if method in ("init_device", "initialize_cache", "initialize_from_config"):
                 self.ledger.clear()
                 self.broken = False
@@ -215,7 +220,8 @@ class Recovering:
                 continue
             self.recoveries += 1
             now = time.monotonic()
-            self.last = {"rebuild_s": now - t0, "refill_s": t_refilled - self._t_refill, "tokens": tokens,
+            self.last = {"waited_s": t0 - started, "start_up_s": self._t_refill - t0, "rebuild_s": now - t0,
+                         "refill_s": t_refilled - self._t_refill, "replay_s": now - t_refilled, "tokens": tokens,
                          "replayed_steps": replayed}
             log.warning("%s recovered: new instance %s rebuilt in %.2fs (refill of %d tokens: %.2fs; %d steps in "
                         "flight sent again; recovery %d)", self.where, self.remote.instance_id, self.last["rebuild_s"],
@@ -224,9 +230,8 @@ class Recovering:
             log.warning("mlx_sidecar_recovery %s", json.dumps({
                 "recoveries_total": self.recoveries, "where": self.where, "url": self.remote.url,
                 "old_instance": old, "new_instance": self.remote.instance_id, "cause": str(cause)[:200],
-                "waited_s": round(t0 - started, 3), "duration_s": round(now - started, 3),
-                "rebuild_s": round(self.last["rebuild_s"], 3), "refill_s": round(self.last["refill_s"], 3),
-                "refilled_tokens": tokens, "replayed_steps": replayed}, sort_keys=True))
+                "duration_s": round(now - started, 3), "refilled_tokens": tokens, "replayed_steps": replayed,
+                **{k: round(v, 3) for k, v in self.last.items() if k.endswith("_s")}}, sort_keys=True))
             return True
 
     def _wait(self, deadline: float, cause: BaseException) -> dict:
