@@ -16,7 +16,10 @@ waited for, so the sidecar's step order is settled before two are in flight.
 Guarantees kept: exactly once (a reply lost on the way is re-read by resending the same numbered
 step on a fresh connection; the sidecar answers a step it already applied from the replies it
 keeps), and instance pinning (every step names the sidecar instance the worker started with: a
-restarted sidecar answers 409).
+restarted sidecar answers 409). A sidecar that is gone (resends spent) or restarted is recovered
+(sidecar/vllm/recovery.py): the worker's record follows the replies as they are read, in step
+order, so after the new instance is rebuilt and refilled up to the last step answered, the steps
+still in flight are sent to it again (`replay`), the oldest read before the next goes out.
 
 What runs one step at a time instead (the caller drains the steps in flight first): steps with
 structured-output requests (their grammar bitmask follows the forward, `sample_tokens`), and with
