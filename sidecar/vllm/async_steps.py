@@ -38,7 +38,7 @@ import msgpack
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from sidecar.client.http1 import Connection
-from sidecar.client.remote import _LOST, MSGPACK, RemoteWorker, connect, result_of
+from sidecar.client.remote import _LOST, MSGPACK, RemoteError, RemoteWorker, connect, result_of
 from sidecar.vllm.recovery import Recovering, SidecarLost, is_lost
 
 
@@ -192,14 +192,27 @@ class AsyncSteps:
             reply.out = out
         return out
 
+    def _overtook(self, reply: Reply, e: BaseException) -> bool:
+        """Step n + 1 reached the sidecar before step n (whose connection was slower, e.g. opened
+        anew after a lost reply) and waited there longer than the sidecar waits: a 409 that ran
+        nothing. Once step n is answered (replies are read in order), the same step is in sequence."""
+        if not (isinstance(e, RemoteError) and e.status == 409 and e.type == "step_out_of_sequence"):
+            return False
+        with self._lock:
+            return all(r.out is not None for r in self._inflight if r.step_id < reply.step_id)
+
     def _read(self, reply: Reply) -> Any:
-        attempt = 0
+        attempt = reordered = 0
         while reply.out is None:
             try:
                 if not reply.sent:  # a lost reply: the same numbered step again, on a fresh connection
                     self._send(reply)
                 self._receive(reply)
             except Exception as e:
+                if self._overtook(reply, e) and reordered < self.resends:
+                    reordered += 1  # rejected, nothing ran; the step before it is answered now: in sequence
+                    reply.sent = False
+                    continue
                 lost = isinstance(e, _LOST)
                 if not lost and not (self.recovering is not None and is_lost(e)):
                     raise

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import signal
 
 import httpx
 import pytest
 
 from sidecar.client.remote import RemoteWorker
-from sidecar.vllm.async_steps import AsyncSteps
+from sidecar.vllm.async_steps import AsyncSteps, Reply
 from sidecar.vllm.recovery import Recovering
 from tests.server.serverproc import free_port, prefill, start_server
 from tests.vllm.conftest import oracle
@@ -64,6 +65,29 @@ def test_two_steps_in_flight_give_mlx_lms_tokens_once_each(server, home: str) ->
     steps._send(older)
     assert steps._read(older) == kept
     assert steps_total(server.url) - before == STEPS  # nothing ran again
+    steps.close()
+    remote.close()
+
+
+
+def test_a_step_that_overtook_the_one_before_it_is_sent_again_once_that_one_is_answered(server, home: str) -> None:
+    remote = RemoteWorker(server.url, pin_instance=True)
+    remote.call("check_health")
+    steps = AsyncSteps(remote)
+    first = steps.submit(prefill("o", PROMPT_LEN, token=11), step_id=1)
+    second = Reply(steps, 1, decode("o", PROMPT_LEN), 2)
+    third = Reply(steps, 0, decode("o", PROMPT_LEN + 1), 3)
+    steps._inflight.extend([second, third])
+    before = steps_total(server.url)
+    steps._send(third)  # step 3 first (its connection was faster): the sidecar waits for step 2, then gives up
+    select.select([steps._conns[0].sock], [], [], 60)  # its answer is there: the 409 (nothing ran)
+    steps._send(second)
+    tokens = [first.result()["sampled_token_ids"][0][0], second.result()["sampled_token_ids"][0][0]]
+    assert steps_total(server.url) - before == 1
+    tokens.append(third.result()["sampled_token_ids"][0][0])  # read: the 409, then sent again, in sequence
+    assert steps_total(server.url) - before == 2
+    want = oracle({"model": "builtin:tiny", "prompts": [[11] * PROMPT_LEN], "max_tokens": 3}, home)[0]["tokens"]
+    assert tokens == want
     steps.close()
     remote.close()
 
