@@ -202,7 +202,7 @@ class AsyncSteps:
             return all(r.out is not None for r in self._inflight if r.step_id < reply.step_id)
 
     def _read(self, reply: Reply) -> Any:
-        attempt = reordered = 0
+        attempt = reordered = recoveries = 0
         while reply.out is None:
             try:
                 if not reply.sent:  # a lost reply: the same numbered step again, on a fresh connection
@@ -225,9 +225,9 @@ class AsyncSteps:
                         attempt += 1
                         self.resent += 1
                         continue
-                    if self.recovering is None:
+                    if self.recovering is None or recoveries == 4:  # lost again right after each recovery
                         raise
                     # Gone, or another instance answers: rebuilt, and the steps in flight sent again (`replay`).
                     self.recovering.recover_or_fail(e)
-                    attempt = 0
+                    attempt, recoveries = 0, recoveries + 1
         return reply.out

@@ -269,6 +269,9 @@ def test_loras_and_sleep_come_back_with_the_new_instance(home: str, tmp_path) ->
     rec = _rec(server.url)
     rec.call("init_device", config={"block_size": BS}, reset=True)
     rec.call("load_model")
+    measured = rec.call("determine_available_memory", gpu_memory_utilization=0.5)
+    # the new instance is held to the measured bytes: no activation profile runs again in a recovery
+    assert rec.start_up["determine_available_memory"] == {"kv_cache_memory_bytes": measured} and measured > 0
     rec.call("initialize_cache", num_gpu_blocks=16, num_cpu_blocks=0)
     rec.call("add_lora", lora_request={"lora_int_id": 1, "lora_name": "one", "lora_path": "one"})
     rec.call("sleep", level=1)
