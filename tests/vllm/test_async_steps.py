@@ -16,7 +16,7 @@ import pytest
 from sidecar.client.remote import RemoteWorker
 from sidecar.vllm.async_steps import AsyncSteps, Reply
 from sidecar.vllm.recovery import Recovering
-from tests.server.serverproc import free_port, prefill, start_server
+from tests.server.serverproc import finish, free_port, prefill, start_server
 from tests.vllm.conftest import oracle
 
 PROMPT_LEN, STEPS = 7, 8
@@ -72,7 +72,7 @@ def test_two_steps_in_flight_give_mlx_lms_tokens_once_each(server, home: str) ->
 
 def test_a_step_that_overtook_the_one_before_it_is_sent_again_once_that_one_is_answered(server, home: str) -> None:
     remote = RemoteWorker(server.url, pin_instance=True)
-    remote.call("check_health")
+    remote.call("execute_model", scheduler_output=finish())  # unnumbered: a new numbered sequence may start at 1
     steps = AsyncSteps(remote)
     first = steps.submit(prefill("o", PROMPT_LEN, token=11), step_id=1)
     second = Reply(steps, 1, decode("o", PROMPT_LEN), 2)
