@@ -153,10 +153,7 @@ def refill_items(ledger: Ledger, prefix_cache: bool, loras: set[int]) -> list[_I
 def refill_steps(items: list[_Item], block_size: int, budget: int, max_seqs: int) -> Iterator[dict]:
     """Wire scheduler_outputs that write every item's tokens [0, total) into its own blocks,
     chunked within `budget` tokens and `max_seqs` rows a step. An item whose blocks overlap an
-    earlier item's starts only after that one is done (the later writer wins). An item starts in
-    a step that holds it whole, or in an empty one: the sidecar runs rows of other lengths as
-    separate forwards, so the tail of a budget split off into a step of its own costs a whole
-    extra pass over the weights (as a cold prefill, one context a step when each fills it)."""
+    earlier item's starts only after that one is done (the later writer wins)."""
     queue, active, finished = list(items), [], []
     while queue or active or finished:
         new, cached, sched = [], [], {}
@@ -172,8 +169,6 @@ def refill_steps(items: list[_Item], block_size: int, budget: int, max_seqs: int
             it = queue[0]
             if it.blocks(block_size) & busy:
                 break
-            if it.total - it.done > left and (new or cached):
-                break  # whole in the next step rather than a sliver here: a sliver is one more forward
             queue.pop(0)
             busy |= it.blocks(block_size)
             k = min(it.total - it.done, left)

@@ -95,22 +95,3 @@ def test_a_block_written_again_ends_with_its_last_writers_content() -> None:
     ledger.apply(step(finished=["y"]), out({}))
     chains = [(r.req_id, n) for r, n in ledger.chains()]
     assert chains == [("x", 4), ("y", 8)]  # x keeps block 0 only (block 1 is y's now), y refills last
-
-
-def test_a_context_starts_in_a_step_that_holds_it_whole_rather_than_as_a_sliver() -> None:
-    from sidecar.vllm.ledger import _Item
-
-    def items(n: int, total: int) -> list:
-        return [_Item(f"r{i}", [5] * (total + 1), [5] * (total + 1), GREEDY, None,
-                      [list(range(i * 300, (i + 1) * 300))], total) for i in range(n)]
-
-    def shapes(its: list) -> list[list[int]]:
-        return [sorted(s["num_scheduled_tokens"].values()) for s in refill_steps(its, BS, 1024, 8)
-                if s["num_scheduled_tokens"]]
-
-    # 8 contexts of ~1k in a 1024-token budget: one per step, as a cold prefill runs them (not
-    # 1001 + 23, 978 + 46, ...: every step two forwards).
-    assert shapes(items(8, 1001)) == [[1001]] * 8
-    # Shorter ones still share steps; a context longer than the budget still starts in an empty step.
-    assert shapes(items(4, 300)) == [[300, 300, 300], [300]]
-    assert shapes(items(2, 1500)) == [[1024], [476], [1024], [476]]
