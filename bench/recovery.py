@@ -4,13 +4,15 @@
 8 streams with 1k-token contexts on builtin:small are prefilled and decode a few tokens; the
 sidecar is killed (SIGKILL) and a new one started on the same port. Measured: from the new
 sidecar's first /healthz answer to the reply of the interrupted decode step (wait + rebuild +
-refill + the step), and the refill alone, against a cold prefill of the same 8 contexts on a fresh
-sidecar (what vLLM would pay to recompute them). The tokens after recovery must equal an
+refill + the step), and the refill alone, against the cold prefill of the same 8 contexts that
+the same run did on its first sidecar minutes before (what vLLM would pay to recompute them; the
+undisturbed run's cold prefill is reported too). The tokens after recovery must equal an
 undisturbed run's.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -88,6 +90,7 @@ def _run(server: ServerProcess, ctxs: list[list[int]], decodes: int, kill_at: in
         if d == kill_at:
             result["healthz_to_token_s"] = time.perf_counter() - healthy
             result["recoveries"] = rec.recoveries
+            result["phases"] = {k: v for k, v in rec.last.items() if k.endswith("_s")}
             result["refill_s"] = rec.last.get("refill_s")
             result["refilled_tokens"] = rec.last.get("tokens")
         for rid, t in zip(out["req_ids"], out["sampled_token_ids"]):
@@ -112,11 +115,12 @@ def run_recovery_bench(home: str | None = None, *, quick: bool = False, model: s
         disturbed = _run(server, ctxs, 4, 2)
     finally:
         server.stop()
-    return {"model": model, "streams": n, "context_tokens": ctx,
-            "cold_prefill_s": undisturbed["cold_prefill_s"], "healthz_to_token_s": disturbed["healthz_to_token_s"],
-            "ratio": disturbed["healthz_to_token_s"] / undisturbed["cold_prefill_s"],
-            "refill_s": disturbed["refill_s"], "refilled_tokens": disturbed["refilled_tokens"],
-            "refill_ratio": disturbed["refill_s"] / undisturbed["cold_prefill_s"],
+    cold = disturbed["cold_prefill_s"]  # the same run's own cold prefill: the nearest in time (load varies)
+    return {"model": model, "streams": n, "context_tokens": ctx, "load_average": os.getloadavg(),
+            "cold_prefill_s": cold, "undisturbed_cold_prefill_s": undisturbed["cold_prefill_s"],
+            "healthz_to_token_s": disturbed["healthz_to_token_s"], "ratio": disturbed["healthz_to_token_s"] / cold,
+            "phases": disturbed["phases"], "refill_s": disturbed["refill_s"],
+            "refilled_tokens": disturbed["refilled_tokens"], "refill_ratio": disturbed["refill_s"] / cold,
             "tokens_equal": disturbed["tokens"] == undisturbed["tokens"], "recoveries": disturbed["recoveries"]}
 
 
@@ -124,12 +128,14 @@ def recovery_bench_cli(home: str | None, quick: bool, json_path: str) -> int:
     doc = run_recovery_bench(home, quick=quick)
     write_json(json_path.replace("bench.json", "recovery.json"), doc)
     print(f"sidecar restart under the vLLM worker class's recovery: {doc['streams']} streams x "
-          f"{doc['context_tokens']} tokens of context on {doc['model']}")
-    print(f"  new sidecar's /healthz -> first token after recovery: {doc['healthz_to_token_s']:.2f} s "
-          f"(wait, init_device, load_model, memory check, cache, refill, the step)")
-    print(f"  of which the refill ({doc['refilled_tokens']} tokens): {doc['refill_s']:.2f} s; the rest is the "
-          "new sidecar's start-up (model load, memory profile)")
-    print(f"  cold prefill of the same contexts: {doc['cold_prefill_s']:.2f} s  (whole recovery {doc['ratio']:.2f}x, "
-          f"refill {doc['refill_ratio']:.2f}x)")
+          f"{doc['context_tokens']} tokens of context on {doc['model']} (load average "
+          + " ".join(f"{x:.1f}" for x in doc["load_average"]) + ")")
+    print(f"  new sidecar's /healthz -> first token after recovery: {doc['healthz_to_token_s']:.2f} s, "
+          f"{doc['ratio']:.2f}x the cold prefill of the same contexts ({doc['cold_prefill_s']:.2f} s; an "
+          f"undisturbed run's: {doc['undisturbed_cold_prefill_s']:.2f} s)")
+    p = doc["phases"]
+    print(f"  of which: wait {p['waited_s']:.2f} s, start-up (init_device, load_model, memory check, cache) "
+          f"{p['start_up_s']:.2f} s, refill of {doc['refilled_tokens']} tokens {p['refill_s']:.2f} s "
+          f"({doc['refill_ratio']:.2f}x), the interrupted step {p['replay_s'] + doc['healthz_to_token_s'] - p['waited_s'] - p['rebuild_s']:.2f} s")
     print(f"  tokens after recovery equal the undisturbed run's: {doc['tokens_equal']}")
     return 0 if doc["tokens_equal"] and doc["recoveries"] == 1 else 1

@@ -7,7 +7,8 @@ replayed, so vLLM sees one slow step.
    from a draining server or 409 `instance_mismatch`. The worker polls `/readyz` for up to
    `recover_timeout` seconds (logging once what it waits for); then fails naming the URL.
 2. Rebuild: the start-up calls vLLM made (`init_device` with reset, `load_model`,
-   `determine_available_memory`, the cache initialisation with the same block count), checked
+   `determine_available_memory` with the bytes the first instance found, so no profile forward
+   runs again, the cache initialisation with the same block count), checked
    against the model of the first instance; LoRA adapters re-added; sleep restored.
 3. Refill: from the ledger (sidecar/vllm/ledger.py), every block vLLM may still read is written
    again from the tokens the worker class saw for it: each live request's computed tokens into
@@ -16,14 +17,19 @@ replayed, so vLLM sees one slow step.
    token, so nothing is sampled; a request's generated tokens go in `prefill_token_ids`, so the
    sidecar counts them as generated (penalties, and a seeded request's stream position).
 4. Resume: the interrupted call runs as vLLM asked (a deferred `sample_tokens` after its
-   `execute_model`). Requests preempted before the restart come back in a later step as vLLM's
-   resumed requests; the new instance never saw them, so those entries are sent as new requests
-   with their tokens (`prefill_token_ids`) and the table vLLM gave.
+   `execute_model`). With async scheduling, the steps sent ahead whose replies were not read yet
+   (the ledger follows replies, so it holds none of them) are sent again first, in order, by the
+   `in_flight` hook (sidecar/vllm/async_steps.py): vLLM reads exactly the replies it waits for,
+   each step applied once by the instance that answers it. Requests preempted before the restart
+   come back in a later step as vLLM's resumed requests; the new instance never saw them, so
+   those entries are sent as new requests with their tokens (`prefill_token_ids`) and the table
+   vLLM gave.
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -67,6 +73,8 @@ class Recovering:
         self._t_refill = 0.0
         self.broken = False  # the ledger missed a step: recovery would restore a wrong state
         self.instance: str | None = None  # the instance of the last successful call (a 409's header is the new one)
+        # Steps sent ahead and not answered yet (async scheduling): sent again on a new instance after the refill.
+        self.in_flight: Callable[[], int] | None = None
 
     def adopt(self, num_blocks: int) -> None:
         """A worker brought up outside `call` (a preloaded server, a scheduler's own lifecycle calls):
@@ -87,21 +95,30 @@ class Recovering:
             except Exception as e:
                 if not is_lost(e) or attempt == 3:
                     raise
-                if "initialize_cache" not in self.start_up and "initialize_from_config" not in self.start_up:
-                    raise SidecarLost(f"{self.where} was lost during start-up: {e}") from e
-                if self.broken:
-                    raise SidecarLost(f"{self.where} was lost ({e}) and cannot be recovered: the recovery "
-                                      "record missed a step (logged above)") from e
-                if not self.recover(e) and method == "execute_model" and kwargs.get("step_id") is None:
+                if not self.recover_or_fail(e) and method == "execute_model" and kwargs.get("step_id") is None:
                     raise  # the same instance, an unnumbered step: it may have run, a resend could run it twice
         self.instance = self.remote.instance_id
         self._observe(method, kwargs, result)
         return result
 
+    def recover_or_fail(self, e: BaseException) -> bool:
+        """The sidecar was lost (`is_lost(e)`): recover (True: a new instance was rebuilt, False: the
+        same one answers again), or SidecarLost when it cannot be."""
+        if "initialize_cache" not in self.start_up and "initialize_from_config" not in self.start_up:
+            raise SidecarLost(f"{self.where} was lost during start-up: {e}") from e
+        if self.broken:
+            raise SidecarLost(f"{self.where} was lost ({e}) and cannot be recovered: the recovery "
+                              "record missed a step (logged above)") from e
+        return self.recover(e)
+
     def _send(self, kwargs: dict) -> dict:
         if not self.fresh:
             return kwargs
-        return {**kwargs, "scheduler_output": self._unresume(kwargs["scheduler_output"])}
+        return {**kwargs, "scheduler_output": self.as_sent(kwargs["scheduler_output"])}
+
+    def as_sent(self, so: dict) -> dict:
+        """A scheduler_output as the current instance must get it (resumed requests it never saw, as new)."""
+        return self._unresume(so) if self.fresh else so
 
     def _observe(self, method: str, kwargs: dict, result: Any) -> None:
         if method in _START_UP:
@@ -112,6 +129,10 @@ class Recovering:
                 self.start_up.pop("initialize_cache", None)
                 self.start_up.pop("initialize_from_config", None)
             self.start_up[method] = kwargs
+            if method == "determine_available_memory" and isinstance(result, int) and result > 0:
+                # A new instance is held to the bytes this one measured: checked against its memory,
+                # without running the activation profile (a forward of the whole token budget) again.
+                self.start_up[method] = {"kv_cache_memory_bytes": result}
             if method in ("init_device", "initialize_cache", "initialize_from_config"):
                 self.ledger.clear()
                 self.broken = False
@@ -177,7 +198,8 @@ class Recovering:
     def recover(self, cause: BaseException) -> bool:
         """Wait for the sidecar; True when a new instance was rebuilt, False when the same one answers again."""
         old = self.instance
-        deadline = time.monotonic() + self.recover_timeout
+        started = time.monotonic()
+        deadline = started + self.recover_timeout
         log.warning("%s lost (%s): waiting up to %.0fs for it to come back (mlx_sidecar.recover_timeout)",
                     self.where, cause, self.recover_timeout)
         while True:
@@ -189,17 +211,27 @@ class Recovering:
                 return False
             try:
                 tokens = self._rebuild()
+                t_refilled = time.monotonic()
+                replayed = self.in_flight() if self.in_flight is not None else 0
             except Exception as e:
                 if not is_lost(e):
                     raise
                 cause = e  # lost again while rebuilding: wait again (the rebuild starts over)
                 continue
             self.recoveries += 1
-            self.last = {"rebuild_s": time.monotonic() - t0, "refill_s": time.monotonic() - self._t_refill,
-                         "tokens": tokens}
-            log.warning("%s recovered: new instance %s rebuilt in %.2fs (refill of %d tokens: %.2fs; recovery %d)",
-                        self.where, self.remote.instance_id, self.last["rebuild_s"], tokens, self.last["refill_s"],
-                        self.recoveries)
+            now = time.monotonic()
+            self.last = {"waited_s": t0 - started, "start_up_s": self._t_refill - t0, "rebuild_s": now - t0,
+                         "refill_s": t_refilled - self._t_refill, "replay_s": now - t_refilled, "tokens": tokens,
+                         "replayed_steps": replayed}
+            log.warning("%s recovered: new instance %s rebuilt in %.2fs (refill of %d tokens: %.2fs; %d steps in "
+                        "flight sent again; recovery %d)", self.where, self.remote.instance_id, self.last["rebuild_s"],
+                        tokens, self.last["refill_s"], replayed, self.recoveries)
+            # One machine-readable line per recovery (vLLM's process has no metrics registry of ours).
+            log.warning("mlx_sidecar_recovery %s", json.dumps({
+                "recoveries_total": self.recoveries, "where": self.where, "url": self.remote.url,
+                "old_instance": old, "new_instance": self.remote.instance_id, "cause": str(cause)[:200],
+                "duration_s": round(now - started, 3), "refilled_tokens": tokens, "replayed_steps": replayed,
+                **{k: round(v, 3) for k, v in self.last.items() if k.endswith("_s")}}, sort_keys=True))
             return True
 
     def _wait(self, deadline: float, cause: BaseException) -> dict:
@@ -215,7 +247,7 @@ class Recovering:
             if time.monotonic() > deadline:
                 raise SidecarLost(f"{self.where} did not come back within mlx_sidecar.recover_timeout "
                                   f"({self.recover_timeout:.0f}s); the last error was: {cause}") from cause
-            time.sleep(0.25)
+            time.sleep(0.05)  # a local poll; the new instance's start-up is seconds
 
     def _same_instance_answers(self) -> bool:
         try:

@@ -87,7 +87,8 @@ class MLXSidecarWorker(WorkerBase):
         self._deferred = False
         self._step_id = 1  # exactly-once steps: a step whose reply was lost is resent with its number
         # vLLM's --async-scheduling: steps sent ahead of their replies (sidecar/vllm/async_steps.py)
-        self._async = AsyncSteps(self.remote) if vllm_config.scheduler_config.async_scheduling else None
+        self._async = (AsyncSteps(self.remote, recovering=self.sidecar)
+                       if vllm_config.scheduler_config.async_scheduling else None)
         self._pending: Any = None
 
     def _call(self, method: str, **kwargs: Any) -> Any:
@@ -202,11 +203,11 @@ class MLXSidecarWorker(WorkerBase):
         return self._output(out)
 
     def _async_output(self, wire: dict) -> Any:
-        def output(out: dict | BaseException) -> Any:  # replies are read in step order: the record follows them
-            if isinstance(out, BaseException):  # recovery replays one step at a time, not two in flight
-                raise SidecarLost(f"{self.sidecar.where} was lost with steps in flight ({out}); sidecar restarts "
-                                  "are recovered with --no-async-scheduling") from out
-            self.sidecar.applied(wire, out)
+        def output(out: dict | BaseException) -> Any:  # the record followed the reply as it was read (async_steps.py)
+            if isinstance(out, SidecarLost):
+                raise out
+            if isinstance(out, BaseException):
+                raise SidecarLost(f"{self.sidecar.where} was lost with steps in flight ({out})") from out
             return self._output(out)
         return output
 

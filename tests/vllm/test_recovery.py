@@ -1,9 +1,11 @@
 """A sidecar restart under vLLM's OpenAI server loses no request (sidecar/vllm/recovery.py): real
 processes, `kill -9` of the sidecar mid-decode and a new one started on the same port, as a
-service manager would."""
+service manager would. Each server case runs with vLLM's async scheduling (two steps in flight:
+the unread ones are sent again to the new instance) and without."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -16,14 +18,30 @@ import pytest
 from sidecar.client.remote import RemoteWorker
 from sidecar.vllm.recovery import Recovering
 from tests.server.serverproc import free_port, start_server
-from tests.vllm.apiserver import api_server
+from tests.vllm.apiserver import Api, api_server
 from tests.vllm.conftest import oracle
 from tests.vllm.proxy import CuttingProxy
 
 MODEL = "builtin:tiny"
 LIMITS = ("--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "512", "--max-num-seqs", "16",
-          "--max-num-batched-tokens", "64",
-          "--no-async-scheduling")  # recovery replays one step at a time (docs/vllm.md, Sidecar restarts)
+          "--max-num-batched-tokens", "64")
+
+
+@pytest.fixture(params=["--async-scheduling", "--no-async-scheduling"], ids=["async", "sync"])
+def scheduling(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def assert_scheduling(api: Api, flag: str) -> None:
+    """The worker class really ran as asked (both runs could otherwise have been one kind)."""
+    m = re.search(r"MLX sidecar at \S+ initialised \((.*)\)$", api.text(), re.M)
+    assert m is not None, "the worker's start-up line is missing"
+    assert m.group(1).endswith(", async scheduling") is (flag == "--async-scheduling")
+
+
+def recovery_lines(api: Api) -> list[dict]:
+    """The worker's machine-readable line per recovery (sidecar/vllm/recovery.py)."""
+    return [json.loads(m) for m in re.findall(r"mlx_sidecar_recovery (\{.*\})$", api.text(), re.M)]
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:
@@ -43,7 +61,8 @@ def wait_for_steps(url: str, more_than: float, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def test_streams_survive_a_kill_9_and_a_prefix_hit_after_it_is_right(home: str, vllm_model_dir, tmp_path) -> None:
+def test_streams_survive_a_kill_9_and_a_prefix_hit_after_it_is_right(home: str, vllm_model_dir, tmp_path,
+                                                                       scheduling: str) -> None:
     port = free_port()
     flags = ("--model", MODEL, "--port", str(port))
     greedy = prompts(1, 8, 40)
@@ -51,7 +70,7 @@ def test_streams_survive_a_kill_9_and_a_prefix_hit_after_it_is_right(home: str, 
     sidecar = start_server(*flags)
     try:
         with api_server(vllm_model_dir(MODEL), {"mlx_sidecar": {"url": sidecar.url, "recover_timeout": 120}},
-                        tmp_path / "api.log", *LIMITS) as api:
+                        tmp_path / "api.log", *LIMITS, scheduling) as api:
             seeded_params = {"temperature": 1.0, "seed": 77}
             undisturbed_seeded = api.completion(greedy[0], 48, **seeded_params)
             api.completion(cached, 4)
@@ -78,6 +97,11 @@ def test_streams_survive_a_kill_9_and_a_prefix_hit_after_it_is_right(home: str, 
             assert not errors, errors
             assert api.proc.poll() is None
             assert "recovered: new instance" in api.text()
+            assert_scheduling(api, scheduling)
+            (line,) = recovery_lines(api)
+            assert line["recoveries_total"] == 1 and line["refilled_tokens"] > 0 and line["duration_s"] > 0
+            # async: vLLM was waiting for a step whose reply was lost; it was sent again to the new instance
+            assert (line["replayed_steps"] >= 1) is (scheduling == "--async-scheduling")
             want = oracle({"model": MODEL, "prompts": greedy, "max_tokens": 48}, home)
             for i in range(8):
                 assert results[i] == want[i]["tokens"], f"stream {i}"
@@ -97,12 +121,13 @@ def prefix_hits(url: str) -> float:
     return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M))
 
 
-def test_a_sidecar_back_with_another_model_fails_the_engine_naming_both(home: str, vllm_model_dir, tmp_path) -> None:
+def test_a_sidecar_back_with_another_model_fails_the_engine_naming_both(home: str, vllm_model_dir, tmp_path,
+                                                                         scheduling: str) -> None:
     port = free_port()
     sidecar = start_server("--model", MODEL, "--port", str(port))
     try:
         with api_server(vllm_model_dir(MODEL), {"mlx_sidecar": {"url": sidecar.url, "recover_timeout": 120}},
-                        tmp_path / "api.log", *LIMITS) as api:
+                        tmp_path / "api.log", *LIMITS, scheduling) as api:
             api.completion(prompts(4, 1, 8)[0], 2)
             sidecar.stop(signal.SIGKILL)
             sidecar = start_server("--model", "builtin:tiny-qwen3", "--port", str(port))
@@ -114,10 +139,11 @@ def test_a_sidecar_back_with_another_model_fails_the_engine_naming_both(home: st
         sidecar.stop()
 
 
-def test_a_sidecar_that_never_comes_back_fails_the_engine_naming_the_url(home: str, vllm_model_dir, tmp_path) -> None:
+def test_a_sidecar_that_never_comes_back_fails_the_engine_naming_the_url(home: str, vllm_model_dir, tmp_path,
+                                                                          scheduling: str) -> None:
     sidecar = start_server("--model", MODEL)
     with api_server(vllm_model_dir(MODEL), {"mlx_sidecar": {"url": sidecar.url, "recover_timeout": 3}},
-                    tmp_path / "api.log", *LIMITS) as api:
+                    tmp_path / "api.log", *LIMITS, scheduling) as api:
         api.completion(prompts(6, 1, 8)[0], 2)
         sidecar.stop(signal.SIGKILL)
         t0 = time.monotonic()
@@ -132,13 +158,14 @@ def generated(url: str) -> float:
     return sum(float(m) for m in re.findall(r"^mlx_worker_generation_tokens_total(?:\{[^}]*\})? (\S+)", text, re.M))
 
 
-def test_replies_cut_mid_way_lose_no_token_and_apply_no_step_twice(home: str, vllm_model_dir, tmp_path) -> None:
+def test_replies_cut_mid_way_lose_no_token_and_apply_no_step_twice(home: str, vllm_model_dir, tmp_path,
+                                                                   scheduling: str) -> None:
     ps = prompts(8, 8, 20)
     with start_server("--model", MODEL) as sidecar:
         proxy = CuttingProxy(int(sidecar.url.rsplit(":", 1)[1]), share=0.05, seed=1)
         try:
             with api_server(vllm_model_dir(MODEL), {"mlx_sidecar": {"url": proxy.url}}, tmp_path / "api.log",
-                            *LIMITS) as api:
+                            *LIMITS, scheduling) as api:
                 before = generated(sidecar.url)
                 results: dict[int, list[int]] = {}
                 threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, api.completion(ps[i], 32)))
@@ -153,6 +180,7 @@ def test_replies_cut_mid_way_lose_no_token_and_apply_no_step_twice(home: str, vl
                 # Every step ran once: the sidecar sampled exactly the tokens vLLM received.
                 assert generated(sidecar.url) - before == 8 * 32
                 assert "recovered" not in api.text()
+                assert_scheduling(api, scheduling)
         finally:
             proxy.close()
 
@@ -241,6 +269,9 @@ def test_loras_and_sleep_come_back_with_the_new_instance(home: str, tmp_path) ->
     rec = _rec(server.url)
     rec.call("init_device", config={"block_size": BS}, reset=True)
     rec.call("load_model")
+    measured = rec.call("determine_available_memory", gpu_memory_utilization=0.5)
+    # the new instance is held to the measured bytes: no activation profile runs again in a recovery
+    assert rec.start_up["determine_available_memory"] == {"kv_cache_memory_bytes": measured} and measured > 0
     rec.call("initialize_cache", num_gpu_blocks=16, num_cpu_blocks=0)
     rec.call("add_lora", lora_request={"lora_int_id": 1, "lora_name": "one", "lora_path": "one"})
     rec.call("sleep", level=1)
