@@ -49,6 +49,7 @@ def test_an_unknown_side_is_refused_by_name(capsys: pytest.CaptureFixture) -> No
     assert "unknown side 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.bench  # a real mlx_lm.server: make test-bench
 def test_mlx_lm_server_takes_the_clients_request_with_the_extra_body(tmp_path) -> None:
     weights = subprocess.run([str(PY), "-m", "sidecar", "model-dir", "builtin:tiny"], check=True, capture_output=True,
                              text=True).stdout.strip()
