@@ -44,7 +44,7 @@ def test_sigterm_finishes_the_running_step_refuses_new_calls_and_exits_0(home: s
     with start_server(*SLOW, "--shutdown-timeout", "15", "--log-level", "info", "--log-format", "json") as s:
         remote = RemoteWorker(s.url)
         pool_bytes = httpx.get(f"{s.url}/info").json()["num_blocks"] * remote.get_cache_block_size_bytes()
-        n = slow_prefill_tokens(lambda so: remote.call("execute_model", scheduler_output=so), 3.0, 6144)
+        n = slow_prefill_tokens(lambda so: remote.call("execute_model", scheduler_output=so), 2.0, 6144)
         remote.close()
         th, out = _start_long_step(s.url, n)
         t_sig = time.monotonic()
@@ -88,11 +88,11 @@ def test_sigterm_finishes_the_running_step_refuses_new_calls_and_exits_0(home: s
 
 
 def test_a_step_longer_than_the_shutdown_timeout_bounds_the_exit(home: str) -> None:
-    """--shutdown-timeout 1 with a ~4 s step running: the process does not wait for it; it exits
+    """--shutdown-timeout 1 with a ~3 s step running: the process does not wait for it; it exits
     1 (unclean) about a second after the signal."""
     with start_server(*SLOW, "--shutdown-timeout", "1", "--log-format", "json") as s:
         remote = RemoteWorker(s.url)
-        n = slow_prefill_tokens(lambda so: remote.call("execute_model", scheduler_output=so), 4.0, 6144)
+        n = slow_prefill_tokens(lambda so: remote.call("execute_model", scheduler_output=so), 3.0, 6144)
         remote.close()
         th, out = _start_long_step(s.url, n)
         t_sig = time.monotonic()
