@@ -37,6 +37,7 @@ _HELP = {
     "num_speculative_tokens": "drafts per request per step (default 3)",
     "prompt_lookup_min": "ngram: shortest suffix matched (default 2)",
     "prompt_lookup_max": "ngram: longest suffix matched (default 5)",
+    "speculative_verify_cost": "ngram: what verifying one draft token costs, relative to a decode step, when deciding whether drafting pays (default: measured on the model at the first step)",
     "draft_model": "draft model for speculative decoding (builtin:<name> or an mlx-lm directory, same tokenizer)",
     "max_live_requests": "requests the worker holds at once (default 1024; 400 past it)",
     "max_req_id_len": "longest req_id in characters (default 256)",

@@ -34,6 +34,7 @@ class Config:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    speculative_verify_cost: float = -1.0  # ngram: a verified draft's cost per decode step; < 0: measured
     draft_model: str | None = None  # a small mlx-lm model with the target's vocabulary
     # server
     host: str = "127.0.0.1"
@@ -136,6 +137,7 @@ class Config:
             ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
             ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min, "must be >= prompt_lookup_min"),
             ("prompt_lookup_max", self.prompt_lookup_max <= 128, "must be <= 128"),  # each step's lookup ~ N x it
+            ("speculative_verify_cost", -1.0 <= self.speculative_verify_cost <= 100.0, "must be in [-1, 100]"),
         ]
         for key, ok, why in checks:
             if not ok:

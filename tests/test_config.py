@@ -88,3 +88,11 @@ def test_overrides_whose_cost_grows_with_them_are_bounded(key: str, ok: int, bad
     with pytest.raises(ConfigError) as e:
         Config().override({**extra, key: bad})
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -2.0, 101.0])
+def test_a_given_verify_cost_is_a_finite_bounded_number(bad: float) -> None:
+    Config(speculative_verify_cost=0.25).validate()
+    with pytest.raises(ConfigError) as e:
+        Config(speculative_verify_cost=bad).validate()
+    assert e.value.key == "speculative_verify_cost"

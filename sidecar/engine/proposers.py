@@ -264,7 +264,10 @@ def proposer_for(cfg: Config, *, vocab_size: int, max_model_len: int,
     the target's vocabulary (400 on config.draft_model otherwise)."""
     method, k = cfg.spec_method, cfg.num_speculative_tokens
     if method == "ngram":
-        return NgramProposer(k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        ngram = NgramProposer(k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if cfg.speculative_verify_cost >= 0:  # the device's cost as the operator knows it: not timed
+            ngram.cost = VerifyCost(cfg.speculative_verify_cost)
+        return ngram
     if method != "draft_model":
         return None
     from mlx_lm.utils import load_model

@@ -65,8 +65,8 @@ def test_a_costly_verify_drafts_nothing_and_samples_lazily(make_worker, oracle_m
     seen = {}
     for extra in (1.0, 0.0):
         w = make_worker(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
-                        prompt_lookup_max=4)
-        w.runner.proposer.cost = VerifyCost(extra)
+                        prompt_lookup_max=4, speculative_verify_cost=extra)  # given: not timed
+        assert w.runner.proposer.cost == VerifyCost(extra)
         calls = []
         sample = w.runner.sampler.sample
         w.runner.sampler.sample = lambda *a, **k: calls.append(1) or sample(*a, **k)
