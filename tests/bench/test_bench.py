@@ -6,6 +6,7 @@ the JSON carries every headline key with a finite value, and that the table and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -50,8 +51,13 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
 
     assert doc["spec_openblas_pair"] == (_fast_blas_env() is not None)
     _check_spec_figures(doc, out)
+    # The image goals are measured only with the vision extra (make test-vision installs it).
+    vision = importlib.util.find_spec("mlx_vlm") is not None
     for goal in GOALS:
-        assert goal.key in doc or goal.key.startswith("long_ctx_") or goal.key.endswith("_bundled")
+        optional = goal.key.startswith("long_ctx_") or goal.key.endswith("_bundled")
+        assert goal.key in doc or optional or (goal.key.startswith("image_") and not vision), goal.key
+    assert vision == any(k.startswith("image_") for k in doc)
+    assert vision or "images: skipped (the vision extra is not installed" in out
     # Goals whose figure this profile does not measure (the 4k/16k contexts) show n/a.
     assert out.count("PASS") + out.count("FAIL") == sum(1 for g in GOALS if g.op and doc.get(g.key) is not None)
     assert doc["tiny_single_stream_tokens_match"] == 1.0
