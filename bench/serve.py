@@ -85,8 +85,10 @@ class Side:
 
     def start(self) -> None:
         a, t0 = self.args, time.monotonic()
-        shape = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs),
-                 "--max-model-len", str(a.max_model_len)]
+        # Unset shapes keep the platform plugin's defaults (what a user gets; they set the warm-up).
+        shape = [f for flag, v in (("--max-num-batched-tokens", a.max_num_batched_tokens),
+                                   ("--max-num-seqs", a.max_num_seqs), ("--max-model-len", a.max_model_len))
+                 if v is not None for f in (flag, str(v))]
         if self.name in ("sidecar", "sidecar-sync", "worker-cls"):
             sport = free_port()
             self._spawn([str(PY), "-m", "sidecar", "serve", "--model", a.model, "--port", str(sport)], tag="-sidecar")
@@ -225,8 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the plugin's")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the plugin's")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
     p.add_argument("--ready-timeout", type=float, default=900)
