@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -74,3 +75,10 @@ def api_server(model_dir: str, additional_config: dict, log: Path, *args: str, e
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def assert_scheduling(api: Api, flag: str) -> None:
+    """The worker class really ran as asked (both runs could otherwise have been one kind)."""
+    m = re.search(r"MLX sidecar at \S+ initialised \((.*)\)$", api.text(), re.M)
+    assert m is not None, "the worker's start-up line is missing"
+    assert m.group(1).endswith(", async scheduling") is (flag == "--async-scheduling")

@@ -51,3 +51,9 @@ def sidecar_url_config(url: str) -> dict:
 
 if not Path(MAIN_PYTHON).exists():
     raise pytest.UsageError(f"{MAIN_PYTHON} is missing: run `make install` first (the sidecar runs from the main venv)")
+
+
+@pytest.fixture(params=["--async-scheduling", "--no-async-scheduling"], ids=["async", "sync"])
+def scheduling(request: pytest.FixtureRequest) -> str:
+    """vLLM's scheduling mode for a test that must hold with two steps in flight and with one."""
+    return request.param

@@ -15,12 +15,11 @@ import pytest
 from sidecar.vllm import dp
 from sidecar.vllm.convert import Unsupported
 from tests.server.serverproc import start_server
-from tests.vllm.apiserver import api_server
+from tests.vllm.apiserver import api_server, assert_scheduling
 from tests.vllm.conftest import oracle
 
 MODEL = "builtin:tiny"
-ARGS = ("--data-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "256",
-        "--no-async-scheduling")  # the lost replica waits for recovery: steps one at a time
+ARGS = ("--data-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "256")
 
 
 @pytest.mark.parametrize("cfg, env, rank, says", [
@@ -63,12 +62,14 @@ def steps(url: str) -> float:
     return sum(float(m) for m in re.findall(r"^mlx_worker_step_duration_seconds_count(?:\{[^}]*\})? (\S+)", text, re.M))
 
 
-def test_dp2_over_two_sidecars_spreads_the_load_and_gives_mlx_lms_tokens(home: str, vllm_model_dir, tmp_path) -> None:
+def test_dp2_over_two_sidecars_spreads_the_load_and_gives_mlx_lms_tokens(home: str, vllm_model_dir, tmp_path,
+                                                                          scheduling: str) -> None:
     rng = random.Random(3)
     ps = [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 40))] for _ in range(16)]
     with start_server("--model", MODEL) as s1, start_server("--model", MODEL) as s2:
         cfg = {"mlx_sidecar": {"urls": [s1.url, s2.url], "recover_timeout": 2}}
-        with api_server(vllm_model_dir(MODEL), cfg, tmp_path / "api.log", *ARGS) as api:
+        with api_server(vllm_model_dir(MODEL), cfg, tmp_path / "api.log", *ARGS, scheduling) as api:
+            assert_scheduling(api, scheduling)
             with ThreadPoolExecutor(16) as pool:
                 got = list(pool.map(lambda p: api.completion(p, 12), ps))
             want = oracle({"model": MODEL, "prompts": ps, "max_tokens": 12}, home)

@@ -18,25 +18,13 @@ import pytest
 from sidecar.client.remote import RemoteWorker
 from sidecar.vllm.recovery import Recovering
 from tests.server.serverproc import free_port, start_server
-from tests.vllm.apiserver import Api, api_server
+from tests.vllm.apiserver import Api, api_server, assert_scheduling
 from tests.vllm.conftest import oracle
 from tests.vllm.proxy import CuttingProxy
 
 MODEL = "builtin:tiny"
 LIMITS = ("--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "512", "--max-num-seqs", "16",
           "--max-num-batched-tokens", "64")
-
-
-@pytest.fixture(params=["--async-scheduling", "--no-async-scheduling"], ids=["async", "sync"])
-def scheduling(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-def assert_scheduling(api: Api, flag: str) -> None:
-    """The worker class really ran as asked (both runs could otherwise have been one kind)."""
-    m = re.search(r"MLX sidecar at \S+ initialised \((.*)\)$", api.text(), re.M)
-    assert m is not None, "the worker's start-up line is missing"
-    assert m.group(1).endswith(", async scheduling") is (flag == "--async-scheduling")
 
 
 def recovery_lines(api: Api) -> list[dict]:
