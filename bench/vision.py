@@ -10,7 +10,10 @@ image: only the question is computed), the identical request (only its last bloc
 image after other text (only the text before the image can be shared: the encoder run is the
 saving). TTFT is from handing the request to the scheduler; the processor (mlx-vlm's, the
 scheduler's side, as vLLM's frontend) is timed apart. End to end includes the processor on both
-sides, and each side sees a new image.
+sides, each side sees a new image, and both end at the request's last token (mlx-vlm's generate
+returns right after it; the reference scheduler then sends the worker one more step, the
+request's finished id, which no client waits for). mlx-vlm's side also detokenizes each token,
+which the sidecar leaves to vLLM's frontend (microseconds a token).
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ def _encoder_seconds(url: str) -> float:
 @contextmanager
 def _served(model: str, home: str | None, log_dir: str) -> Iterator[tuple[Any, Any, Path]]:
     """A server for `model` and a request runner: one(rid, text, image, images_first, max_tokens)
-    -> (TTFT, end to end, processor seconds, prefix-cached tokens, output tokens)."""
+    -> (TTFT, end to end, processor seconds, prefix-cached tokens, output tokens). End to end ends
+    at the request's last token, as its client sees it (the step that then tells the worker the
+    request finished is bookkeeping after it)."""
     from bench.sides import ServerProcess
     from sidecar.client.pipeline import Pipeline
     from sidecar.client.remote import RemoteWorker
@@ -78,7 +83,14 @@ def _served(model: str, home: str | None, log_dir: str) -> Iterator[tuple[Any, A
             sched.add_request(Request(rid, ids, {"temperature": 0.0}, max_tokens=max_tokens, ignore_eos=True,
                                       mm_features=features))
             first: list[float] = []
-            event = (lambda e: first.append(time.perf_counter()) if not first else None)
+            last: list[float] = []
+
+            def event(e: Any) -> None:
+                now = time.perf_counter()
+                if not first:
+                    first.append(now)
+                if e.req_id == rid and e.finished:
+                    last.append(now)
             if pipelined:  # two steps in flight (vLLM's async scheduling; `generate --pipeline 1`)
                 pipe = Pipeline(server.url)  # (a fresh connection: the server drops idle ones)
                 try:
@@ -89,7 +101,7 @@ def _served(model: str, home: str | None, log_dir: str) -> Iterator[tuple[Any, A
             else:
                 done = run(sched, step, on_event=event)
             r = done[rid]
-            return first[0] - t1, time.perf_counter() - t0, t1 - t0, r.num_cached_tokens, r.output_token_ids
+            return first[0] - t1, last[0] - t0, t1 - t0, r.num_cached_tokens, r.output_token_ids
 
         yield one, server, path
     finally:

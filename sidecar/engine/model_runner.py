@@ -260,9 +260,8 @@ class ModelRunner:
             decode = self.overlap.take(self, rows, decode, last)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
-        if prefill_split.applies(self.caches):  # mlx-lm's: a sampling chunk's head, then its last token
-            rows, tails = prefill_split.forward_heads(self, rows)
-            decode, prefill = decode + tails, [i for i in prefill if i not in set(tails)]
+        rows, tails = prefill_split.forward_heads(self, rows)  # mlx-lm's: a sampling chunk's head, then its last token
+        decode, prefill = decode + tails, [i for i in prefill if i not in set(tails)]
         batches = step_batches(rows, decode, prefill, self.caches)
         limit = self.read_limit()
         stores: list = []  # recurrent states are written back once every batch of the step is built

@@ -42,6 +42,10 @@ class _Request:
     features: list[MMFeature]
     positions: np.ndarray | None = None  # [3, P] M-RoPE positions of the prompt
     delta: int = 0  # later positions: index + delta
+    end: int = 0  # past the last placeholder: a row starting there (a decode) takes no encoder rows
+
+    def __post_init__(self) -> None:
+        self.end = max((f.mm_position.offset + f.mm_position.length for f in self.features), default=0)
 
 
 @dataclass
@@ -154,12 +158,17 @@ class Multimodal:
             req = self.requests.get(row.state.req_id)
             s, n = row.start, len(row.token_ids)
             idx = np.arange(s, s + n)
-            pos[:, b, :n] = idx
-            if req is None:
-                continue
-            if req.positions is not None:
+            if req is None or req.positions is None:
+                pos[:, b, :n] = idx
+                if req is None:
+                    continue
+            elif s >= req.positions.shape[1]:  # past the prompt (every decode step): index + delta
+                pos[:, b, :n] = idx + req.delta
+            else:
                 P = req.positions.shape[1]
                 pos[:, b, :n] = np.where(idx < P, req.positions[:, np.minimum(idx, P - 1)], idx + req.delta)
+            if s >= req.end:
+                continue
             for j, f in enumerate(req.features):
                 r = f.mm_position
                 lo, hi = max(r.offset, s), min(r.offset + r.length, s + n)

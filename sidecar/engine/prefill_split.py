@@ -1,14 +1,19 @@
 """mlx-lm's prefill split: a prompt's tokens but the last, then the last one alone.
 
-mlx-lm's `generate_step` prefills all of a prompt but its last token, then runs that token as its
-first one-token step. Several layers compute a one-token call another way than a longer one (MLA's
-absorbed decode path, a recurrent layer's step against its chunked scan, a one-query attention):
-the same sums in another order, which in bf16/fp16 (and in recurrent state at all) moves the
-logits by rounding steps, enough to flip a near-tie. So on such models a chunk that ends at its
-row's known tokens (the row samples) is forwarded the same way: its head first, then its last
-token, with the step's decode rows (one-token rows already run apart from prefill), so the split
-costs no extra forward when the step decodes too. Full-precision attention-only models, whose
-one-token and longer calls agree to float32 rounding, run whole.
+mlx-lm's `generate_step` (and mlx-vlm's) prefills all of a prompt but its last token, then runs
+that token as its first one-token step; a sampling chunk (one that ends at its row's known tokens)
+is forwarded the same way: its head first, then its last token, with the step's decode rows
+(one-token rows already run apart from prefill), so the split costs no extra forward when the
+step decodes too. Two reasons, for every model:
+
+- The head's outputs are never read, only the K/V (and recurrent state) it writes: its last
+  layer's attention output and MLP run for the last token only, where a whole chunk computes
+  them for every position before the logits pick one (on a model of four layers, about a fifth
+  of the chunk's work).
+- The same sums as the oracle: several layers compute a one-token call another way than a longer
+  one (MLA's absorbed decode path, a recurrent layer's step against its chunked scan, a one-query
+  attention), which in bf16/fp16 (and in recurrent state at all) moves the logits by rounding
+  steps, enough to flip a near-tie.
 """
 
 from __future__ import annotations
@@ -17,13 +22,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from sidecar.kv.batch_caches import step_batches
-from sidecar.kv.spec import ModelCaches
 from sidecar.engine.state import Row
-
-
-def applies(caches: ModelCaches) -> bool:
-    """Recurrent state, or half-precision caches (the model computes in bf16/fp16)."""
-    return caches.has_state or any(s.dtype in ("float16", "bfloat16") for s in caches.specs)
 
 
 def split(rows: Sequence[Row]) -> tuple[list[Row], list[Row], list[int]]:

@@ -107,7 +107,12 @@ class VisionLanguageModel(nn.Module):
             off = cache[0].offset if cache and isinstance(cache[0].offset, int) else 0
             B, L = inputs.shape
             positions = mx.broadcast_to(mx.arange(off, off + L)[None, None], (3, B, L))
-        return self.language_model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions).logits
+        # The decoder and the head, as the language model's own __call__ ends: its position
+        # bookkeeping before them reads the cache offset back from the device (a sync in the
+        # middle of building every forward) to slice positions we give whole.
+        lm = self.language_model
+        h = lm.model(inputs, cache=cache, inputs_embeds=embeds, position_ids=positions)
+        return lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
 
     image_token_id: int
 

@@ -126,7 +126,8 @@ def _item(value: Any) -> np.ndarray:
     """One image's tensor from a processor output of one image (a leading batch of 1 dropped
     where the family batches per prompt: [1, tiles, ...])."""
     a = np.asarray(value)
-    a = a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64) if a.dtype.kind in "iub" else a
+    if a.dtype.kind in "fiub":  # (no copy where it has the dtype already)
+        a = a.astype(np.float32 if a.dtype.kind == "f" else np.int64, copy=False)
     if a.ndim == 5 or (a.ndim == 4 and a.shape[0] == 1 and a.dtype == np.int64):  # idefics3: [1, tiles, ...]
         a = a[0]
     if a.ndim == 2 and a.shape == (1, 3) and a.dtype == np.int64:  # a grid [[t, h, w]]

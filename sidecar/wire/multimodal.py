@@ -168,4 +168,6 @@ def encode_tensor(arr: np.ndarray) -> dict:
     arr = np.asarray(arr, order="C")  # (ascontiguousarray would make a scalar 1-D)
     if arr.dtype.name not in DTYPES:
         arr = arr.astype(np.float32)
-    return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.astype(arr.dtype.newbyteorder("<")).tobytes()}
+    # (no copy where the array is little-endian already: tobytes is the one copy)
+    little = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+    return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": little.tobytes()}

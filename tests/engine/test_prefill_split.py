@@ -1,4 +1,4 @@
-"""mlx-lm's prefill split (recurrent or half-precision models): a sampling chunk forwards its head, then its last
+"""mlx-lm's prefill split (every model): a sampling chunk forwards its head, then its last
 token; rows that need every position (prompt logprobs) or verify drafts are left whole."""
 
 from __future__ import annotations
@@ -27,3 +27,22 @@ def test_rows_left_whole() -> None:
             _row([5, 6, 7], prompt_logprobs=1)]
     rows, heads, tails = split(keep)
     assert heads == [] and tails == [] and rows == keep
+
+
+def test_a_full_precision_model_prefills_its_head_then_its_last_token(make_worker) -> None:
+    """builtin:tiny is float32: its sampling chunk still runs head first (only its K/V is read:
+    the head's last layer is never computed past it), its last token apart; a chunk that does not
+    reach the prompt's end (no sample) runs whole."""
+    from tests.driver import Driver
+
+    w = make_worker("builtin:tiny")
+    forwarded: list[list[int]] = []
+    forward = w.runner.forward
+    w.runner.forward = lambda rows, *a, **k: (forwarded.append([len(r.token_ids) for r in rows]), forward(rows, *a, **k))[1]
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", list(range(5, 25)))
+    d.step(chunk=12)  # 12 of 20 tokens: no sample
+    assert forwarded[0] == [12]
+    forwarded.clear()
+    d.step(chunk=12)  # the last 8: sampled
+    assert forwarded[:2] == [[7], [1]]
