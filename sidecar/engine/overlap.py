@@ -46,9 +46,16 @@ from sidecar.engine.state import Row
 crossing = os.environ.get("MLX_SIDECAR_BOUNDARY_AHEAD", "1") != "0"
 
 
-def blocks_key(row: Row, n: int) -> tuple:
-    """Every group's first n blocks: a queued forward read and wrote exactly these."""
-    return tuple(tuple(t[:n]) for t in [row.block_ids, *row.other_block_ids])
+def tables(row: Row) -> tuple[list[int], ...]:
+    return (row.block_ids, *row.other_block_ids)
+
+
+def same_blocks(row: Row, queued: tuple[list[int], ...], n: int) -> bool:
+    """The row's first n blocks in every group are those of the `queued` tables (which the queued
+    forward read and wrote). A step replaces a table, never edits it (planner.apply): the same list
+    is the same blocks, so a decode step compares nothing per block (a new list: the first n)."""
+    now = tables(row)
+    return len(now) == len(queued) and all(a is b or a[:n] == b[:n] for a, b in zip(now, queued))
 
 
 def crossing_supported(runner: Any) -> bool:
@@ -58,7 +65,7 @@ def crossing_supported(runner: Any) -> bool:
 
 @dataclass
 class Queued:
-    """The queued forward: req_id -> (position, token, blocks, its row in `logits`)."""
+    """The queued forward: req_id -> (position, token, block tables, its row in `logits`)."""
 
     rows: dict[str, tuple[int, int, tuple, int]]
     logits: mx.array  # [rows, vocab]
@@ -101,7 +108,7 @@ class DecodeOverlap:
             src = mx.array([pool.scratch * bs], dtype=mx.int32)
             kv = [a[:, :, src] for leaf in pool.keys + pool.values for a in _parts(leaf)]
         mx.async_eval(logits, *pool.arrays(), *kv)
-        self.queued = Queued({rows[i].state.req_id: (at[i], int(tokens[i]), blocks_key(rows[i], at[i] // bs + 1), j)
+        self.queued = Queued({rows[i].state.req_id: (at[i], int(tokens[i]), tables(rows[i]), j)
                               for j, i in enumerate(idx)}, logits,
                              None if cross is None else rows[cross].state.req_id, kv)
 
@@ -116,7 +123,8 @@ class DecodeOverlap:
             r = rows[i]
             got = q.rows.get(r.state.req_id)
             crossed = r.state.req_id == q.crossing_id  # matches on its first blocks; lands in its new one
-            if got is not None and got[:3] == (r.start, r.token_ids[0], blocks_key(r, r.start // bs + (not crossed))) \
+            if got is not None and got[0] == r.start and got[1] == r.token_ids[0] \
+                    and same_blocks(r, got[2], r.start // bs + (not crossed)) \
                     and (not crossed or _land(runner.pool, r, q.crossing_kv)):
                 last[i] = q.logits[got[3] : got[3] + 1]
             else:

@@ -17,7 +17,9 @@ class RequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]  # the first KV cache group's block table
+    # The first KV cache group's block table. Tables are replaced, never edited in place: the
+    # decode overlap and the metrics snapshot hold on to them.
+    block_ids: list[int]
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: dict | None = None

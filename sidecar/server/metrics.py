@@ -61,12 +61,17 @@ class Snapshot:
     max_model_len: int | None = None
     vocab_size: int | None = None
     kv_cache_spec: dict | None = None
-    # Counted here, on the MLX thread, once per call (block tables are bounded by max_model_len
-    # and live requests by --max-live-requests), so a scrape is O(1) whatever the worker holds.
-    blocks_used: int = 0
+    # The held requests' block tables, taken on the MLX thread once per call (one reference per
+    # table: a step's cost does not grow with the contexts); their distinct blocks are counted at
+    # scrape time. The lists are the requests' own: a step replaces a table, never edits it.
+    tables: tuple = ()
     running_requests: int = 0
     kv_tier: Any = None  # the disk KV tier (engine/kv_tier.py): its counters are ints, read atomically
     encoder: tuple = (0, 0, 0, 0, 0.0)  # the vision encoder's runs, hits, misses, evictions, seconds
+
+    @property
+    def blocks_used(self) -> int:
+        return len(set().union(*self.tables))
 
     @classmethod
     def of(cls, w: MLXWorker) -> Snapshot:
@@ -99,9 +104,9 @@ class Snapshot:
         mm = getattr(runner, "mm", None) if runner is not None else None
         enc = (mm.stats.runs, mm.stats.hits, mm.stats.misses, mm.stats.evictions, mm.stats.seconds) if mm else (0,) * 5
         if runner is None or not runner.pool:
-            return {"blocks_used": 0, "running_requests": 0, "kv_tier": tier, "encoder": enc}
+            return {"tables": (), "running_requests": 0, "kv_tier": tier, "encoder": enc}
         reqs = runner.requests
-        return {"blocks_used": len(set().union(*(t for r in reqs.values() for t in [r.block_ids, *r.other_block_ids]))),
+        return {"tables": tuple(t for r in reqs.values() for t in (r.block_ids, *r.other_block_ids)),
                 "running_requests": len(reqs), "kv_tier": tier, "encoder": enc}
 
     @staticmethod

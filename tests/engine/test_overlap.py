@@ -122,7 +122,7 @@ def test_only_an_exact_match_takes_the_queued_logits(make_worker) -> None:
              (replace(row, block_ids=[7, 5]), False), (other, False)]
     for r, hit in cases:
         ov = overlap.DecodeOverlap()
-        ov.queued = overlap.Queued({"a": (3, 9, overlap.blocks_key(row, 1), 1)}, logits)
+        ov.queued = overlap.Queued({"a": (3, 9, overlap.tables(row), 1)}, logits)
         last: list = [None]
         rest = ov.take(w.runner, [r], [0], last)
         assert (rest, ov.hits, ov.misses) == (([], 1, 0) if hit else ([0], 0, 1)), r
