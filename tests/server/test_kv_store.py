@@ -54,7 +54,10 @@ def test_a_restarted_server_serves_the_prefix_from_the_store(home, oracle_model,
         metrics = httpx.get(f"{s.url}/metrics").text
         assert f"mlx_worker_kv_store_loaded_blocks_total {float((300 - 1) // 16)}" in metrics
         # Damage one entry: its load fails, the scheduler recomputes from there, tokens stay exact.
-        victim = sorted(Path(store).glob("segments/*.kvs"))[0]
+        # The largest segment holds a prefill step's prompt blocks (the block holding output tokens,
+        # which a lookup of the prompt never loads, is saved alone by a decode step); segment names
+        # are random, so the first by name could be that one.
+        victim = max(Path(store).glob("segments/*.kvs"), key=lambda p: p.stat().st_size)
         raw = bytearray(victim.read_bytes())
         raw[len(raw) // 2] ^= 0x55
         victim.write_bytes(bytes(raw))
