@@ -82,6 +82,7 @@ class ModelRunner:
         self.batch_guard: Callable[[], AbstractContextManager] | None = None
         self.pooling: Any = None  # PoolingModel: what pooling requests may ask (None: generation only)
         self._pool_parts: dict[int, Any] = {}  # this step's hidden states of pooling rows (pooling.py)
+        self._built: list[mx.array] | None = None  # this step's forwards' outputs, once one ran (see forward)
         self.kv_tier: Any = None  # kv_tier.KVTier: the disk KV tier (--kv-store-dir), else None
         self._tier_step: Any = None
         self.mm: Multimodal | None = None  # a vision-language model's images (engine/multimodal.py)
@@ -258,6 +259,7 @@ class ModelRunner:
         decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         if overlap:
             decode = self.overlap.take(self, rows, decode, last)
+        self._built = [x for x in last if x is not None] or None  # (the queued forward's rows)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
         rows, tails = prefill_split.forward_heads(self, rows)  # mlx-lm's: a sampling chunk's head, then its last token
@@ -268,9 +270,7 @@ class ModelRunner:
         for parts in [read_bounded(rows, group, limit) for group in batches]:
             for group in parts:
                 if group:
-                    self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)
-                    if len(parts) > 1:  # one part at a time: no two parts' reads held at once
-                        mx.eval([last[i] for i in group])
+                    self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)  # (settled in turn)
         for store in stores:
             store()
         return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
@@ -299,6 +299,7 @@ class ModelRunner:
         # Computed with the logits already; evaluated, no task of the step holds a pool buffer.
         if pool:
             mx.eval(pool)
+        self._built = None
         if live and self._tier_step is not None:  # before the next decode is queued on the pool
             self.kv_tier.save(self.pool, self._tier_step)
             self._tier_step = None
@@ -323,11 +324,21 @@ class ModelRunner:
         b's logits [1 + num_draft, V] (its last position, and its drafts') and `prompt_lp[where[b]]`
         with its prompt-logprob span (logits, targets). Recurrent states are stored now, or, with
         `stores`, by the callable appended to it (once every batch of the step is built)."""
+        self._settle()
         if self.batch_guard is None:
             return self._batch(rows, where, last, prompt_lp, stores)
         with self.batch_guard():
             self._batch(rows, where, last, prompt_lp, stores)
             mx.eval([last[w] for w in where])
+
+    def _settle(self) -> None:
+        """Before a step's second forward, evaluate the ones before it: MLX writes a pool in place
+        only when nothing else reads its buffer, and their attention reads (views of the pool)
+        would still be pending, so every layer's whole pool would be copied, a cost that grows with
+        the pool, not the step."""
+        if self._built is not None:
+            mx.eval(self._built, self.pool.arrays())  # type: ignore[union-attr]
+        self._built = []
 
     def _batch(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict, stores: list | None) -> None:
         pool = self.pool
@@ -364,6 +375,8 @@ class ModelRunner:
         try:
             logits, hidden = forward_at(self.model, ids, caches, index,
                                         mx.array(keep, dtype=mx.int32) if keep else None)
+            read = spans or any(r.sample for r in rows)  # (a head's logits are not: never computed)
+            self._built += [x for x in (logits if read else None, hidden) if x is not None]
             pooling.collect(hidden, pool_spans, where, self._pool_parts)
             if stores is not None:
                 stores.append(store_states)

@@ -52,6 +52,25 @@ def test_pool_is_updated_in_place(make_worker) -> None:
     assert not copied, copied
 
 
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_step_of_several_forwards_updates_the_pool_in_place(make_worker, monkeypatch, settle: bool) -> None:
+    """A prompt's head, its last token and another request's decode are forwards of one step, each
+    writing every layer's pool: still no copy. Negative control: without evaluating the earlier
+    forwards first, their pending reads make MLX copy the pools."""
+    w = make_worker()
+    if not settle:
+        monkeypatch.setattr(w.runner, "_settle", lambda: setattr(w.runner, "_built", []))
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", [5, 6, 7])
+    d.step()
+    d.add("b", list(range(3, 40)))
+    before = [np.asarray(a).__array_interface__["data"][0] for a in w.runner.pool.arrays()]
+    d.step(chunk=64)  # a's decode, b's whole prompt: b's head, then its last token with a
+    after = [np.asarray(a).__array_interface__["data"][0] for a in w.runner.pool.arrays()]
+    assert len(d.reqs["a"].out) == 2 and len(d.reqs["b"].out) == 1
+    assert (before == after) == settle
+
+
 def _prefix_setup(make_worker):
     w = make_worker()
     bs = w.config.block_size
