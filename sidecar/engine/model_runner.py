@@ -259,7 +259,7 @@ class ModelRunner:
         decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         if overlap:
             decode = self.overlap.take(self, rows, decode, last)
-        self._built = [x for x in last if x is not None] or None  # (the queued forward's rows)
+        self._built = [x for x in last if x is not None] or None  # (the queued forward may still read the pool)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
         rows, tails = prefill_split.forward_heads(self, rows)  # mlx-lm's: a sampling chunk's head, then its last token
@@ -270,7 +270,7 @@ class ModelRunner:
         for parts in [read_bounded(rows, group, limit) for group in batches]:
             for group in parts:
                 if group:
-                    self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)  # (settled in turn)
+                    self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)  # (one part at a time)
         for store in stores:
             store()
         return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
@@ -375,7 +375,7 @@ class ModelRunner:
         try:
             logits, hidden = forward_at(self.model, ids, caches, index,
                                         mx.array(keep, dtype=mx.int32) if keep else None)
-            read = spans or any(r.sample for r in rows)  # (a head's logits are not: never computed)
+            read = spans or any(r.sample for r in rows)  # (a head's logits are never read: left uncomputed)
             self._built += [x for x in (logits if read else None, hidden) if x is not None]
             pooling.collect(hidden, pool_spans, where, self._pool_parts)
             if stores is not None:

@@ -32,6 +32,10 @@ def test_batched_chunked_matches_mlx_lm(make_worker, oracle_model, model: str) -
         np.testing.assert_allclose(d.reqs[f"r{i}"].logprobs[:24], want_lp, atol=1e-4)
 
 
+def _addresses(arrays: list) -> list[int]:
+    return [np.asarray(a).__array_interface__["data"][0] for a in arrays]
+
+
 def test_pool_is_updated_in_place(make_worker) -> None:
     """Every step writes into the pool without copying it: the same buffers before and after,
     across a block boundary, with the next decode forward queued as each step returns. (Queued
@@ -45,9 +49,9 @@ def test_pool_is_updated_in_place(make_worker) -> None:
     d.step()
     copied = []
     for i in range(20):
-        before = [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]
+        before = _addresses(w.runner.pool.keys)
         d.step()
-        if before != [np.asarray(k).__array_interface__["data"][0] for k in w.runner.pool.keys]:
+        if before != _addresses(w.runner.pool.keys):
             copied.append(i)
     assert not copied, copied
 
@@ -64,9 +68,9 @@ def test_a_step_of_several_forwards_updates_the_pool_in_place(make_worker, monke
     d.add("a", [5, 6, 7])
     d.step()
     d.add("b", list(range(3, 40)))
-    before = [np.asarray(a).__array_interface__["data"][0] for a in w.runner.pool.arrays()]
+    before = _addresses(w.runner.pool.arrays())
     d.step(chunk=64)  # a's decode, b's whole prompt: b's head, then its last token with a
-    after = [np.asarray(a).__array_interface__["data"][0] for a in w.runner.pool.arrays()]
+    after = _addresses(w.runner.pool.arrays())
     assert len(d.reqs["a"].out) == 2 and len(d.reqs["b"].out) == 1
     assert (before == after) == settle
 
