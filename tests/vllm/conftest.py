@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from tests.server.serverproc import ROOT
 MAIN_PYTHON = os.environ.get("MLX_SIDECAR_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
 os.environ["MLX_SIDECAR_PYTHON"] = MAIN_PYTHON  # serverproc starts the sidecar with it
 WORKER_CLS = "sidecar.vllm.worker.MLXSidecarWorker"
+# builtin:tiny's KV page: block_size * kv heads * (K + V head dims) * fp32 * 2 layers
+TINY_BLOCK_BYTES = 16 * 2 * (16 + 16) * 4 * 2
 # The suite runs on this package's vLLM platform (sidecar/vllm/platform.py: async scheduling allowed);
 # test_plugin.py runs plain vLLM (its CPU platform, --worker-cls alone) in a process of its own.
 os.environ["MLX_SIDECAR_PLATFORM"] = "1"
@@ -43,6 +46,13 @@ def oracle(request: dict, home: str) -> object:
                        cwd=ROOT, env={**os.environ, "MLX_SIDECAR_HOME": home, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
+
+
+def generated(server) -> float:
+    """The tokens a sidecar has sampled (its generation counter), over TCP or its Unix socket."""
+    with server.client() as c:
+        text = c.get("/metrics").text
+    return sum(float(m) for m in re.findall(r"^mlx_worker_generation_tokens_total(?:\{[^}]*\})? (\S+)", text, re.M))
 
 
 def sidecar_url_config(url: str) -> dict:

@@ -17,7 +17,7 @@ from sidecar.client.remote import RemoteWorker
 from sidecar.vllm.async_steps import AsyncSteps, Reply
 from sidecar.vllm.recovery import Recovering
 from tests.server.serverproc import finish, free_port, prefill, start_server
-from tests.vllm.conftest import oracle
+from tests.vllm.conftest import generated, oracle
 
 PROMPT_LEN, STEPS = 7, 8
 
@@ -69,7 +69,6 @@ def test_two_steps_in_flight_give_mlx_lms_tokens_once_each(server, home: str) ->
     remote.close()
 
 
-
 def test_a_step_that_overtook_the_one_before_it_is_sent_again_once_that_one_is_answered(server, home: str) -> None:
     remote = RemoteWorker(server.url, pin_instance=True)
     remote.call("execute_model", scheduler_output=finish())  # unnumbered: a new numbered sequence may start at 1
@@ -107,11 +106,6 @@ def cached(positions: dict[str, int]) -> dict:
         "num_scheduled_tokens": {r: 1 for r in rids}, "total_num_scheduled_tokens": len(rids), "finished_req_ids": []}
 
 
-def generated(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("mlx_worker_generation_tokens_total"))
-
-
 def run_async(port: int, kill: str | None, at: int = 4) -> tuple[dict[str, list[int]], dict]:
     """Two requests (greedy, seeded) decoding with two steps in flight, driven as vLLM's EngineCore
     drives the worker class (send step n + 1, then read step n). `kill`: the sidecar is killed
@@ -138,12 +132,12 @@ def run_async(port: int, kill: str | None, at: int = 4) -> tuple[dict[str, list[
             if kill == "send_fails" and n == at + 2:
                 server.stop(signal.SIGKILL)
                 server = start_server("--model", MODEL, "--port", str(port))
-                after["generated_before"] = generated(server.url)
+                after["generated_before"] = generated(server)
             queue.append(steps.submit(cached({rid: PROMPT_LEN + n - 1 for rid in SAMPLING}), step_id=1 + n))
             if kill == "two_in_flight" and n == at + 1:
                 server.stop(signal.SIGKILL)
                 server = start_server("--model", MODEL, "--port", str(port))
-                after["generated_before"] = generated(server.url)
+                after["generated_before"] = generated(server)
             out = queue.pop(0).result()
             for rid, t in zip(out["req_ids"], out["sampled_token_ids"]):
                 tokens[rid] += t
@@ -153,7 +147,7 @@ def run_async(port: int, kill: str | None, at: int = 4) -> tuple[dict[str, list[
                 tokens[rid] += t
         after.update(recoveries=rec.recoveries, replayed=steps.replayed, last=rec.last)
         if kill:
-            after["generated"] = generated(server.url) - after["generated_before"]
+            after["generated"] = generated(server) - after["generated_before"]
         return tokens, after
     finally:
         steps.close()

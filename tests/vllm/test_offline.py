@@ -18,9 +18,8 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import StructuredOutputsParams
 
 from tests.server.serverproc import start_server
-from tests.vllm.conftest import WORKER_CLS, oracle, sidecar_url_config
+from tests.vllm.conftest import TINY_BLOCK_BYTES, WORKER_CLS, oracle, sidecar_url_config
 
-BLOCK_BYTES = 16 * 2 * (16 + 16) * 4 * 2  # block_size * kv heads * (K + V head dims) * fp32 * 2 layers
 MAX_TOKENS = 24
 
 
@@ -41,7 +40,7 @@ def engine(request: pytest.FixtureRequest, home: str, vllm_model_dir, tmp_path_f
     with start_server("--model", name, "--lora-dir", str(loras)) as server:
         llm = LLM(model=vllm_model_dir(name), worker_cls=WORKER_CLS, additional_config=sidecar_url_config(server.url),
                   enable_lora=True, max_lora_rank=8, max_loras=1,
-                  kv_cache_memory_bytes=14 * BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=8,
+                  kv_cache_memory_bytes=14 * TINY_BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=8,
                   max_num_batched_tokens=32, enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False,
                   seed=0, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
                   async_scheduling=async_scheduling)

@@ -19,7 +19,7 @@ from sidecar.client.remote import RemoteWorker
 from sidecar.vllm.recovery import Recovering
 from tests.server.serverproc import free_port, start_server
 from tests.vllm.apiserver import Api, api_server, assert_scheduling
-from tests.vllm.conftest import oracle
+from tests.vllm.conftest import generated, oracle
 from tests.vllm.proxy import CuttingProxy
 
 MODEL = "builtin:tiny"
@@ -141,11 +141,6 @@ def test_a_sidecar_that_never_comes_back_fails_the_engine_naming_the_url(home: s
         assert f"MLX sidecar at {sidecar.url} did not come back within mlx_sidecar.recover_timeout (3s)" in api.text()
 
 
-def generated(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(m) for m in re.findall(r"^mlx_worker_generation_tokens_total(?:\{[^}]*\})? (\S+)", text, re.M))
-
-
 def test_replies_cut_mid_way_lose_no_token_and_apply_no_step_twice(home: str, vllm_model_dir, tmp_path,
                                                                    scheduling: str) -> None:
     ps = prompts(8, 8, 20)
@@ -154,7 +149,7 @@ def test_replies_cut_mid_way_lose_no_token_and_apply_no_step_twice(home: str, vl
         try:
             with api_server(vllm_model_dir(MODEL), {"mlx_sidecar": {"url": proxy.url}}, tmp_path / "api.log",
                             *LIMITS, scheduling) as api:
-                before = generated(sidecar.url)
+                before = generated(sidecar)
                 results: dict[int, list[int]] = {}
                 threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, api.completion(ps[i], 32)))
                            for i in range(8)]
@@ -166,7 +161,7 @@ def test_replies_cut_mid_way_lose_no_token_and_apply_no_step_twice(home: str, vl
                 assert [results.get(i) for i in range(8)] == [w["tokens"] for w in want]
                 assert proxy.cuts > 0  # replies really were lost on the way
                 # Every step ran once: the sidecar sampled exactly the tokens vLLM received.
-                assert generated(sidecar.url) - before == 8 * 32
+                assert generated(sidecar) - before == 8 * 32
                 assert "recovered" not in api.text()
                 assert_scheduling(api, scheduling)
         finally:

@@ -16,12 +16,11 @@ import pytest
 from vllm import LLM, SamplingParams
 
 from tests.server.serverproc import start_server
-from tests.vllm.conftest import WORKER_CLS, oracle, sidecar_url_config
+from tests.vllm.conftest import TINY_BLOCK_BYTES, WORKER_CLS, oracle, sidecar_url_config
 
 MODEL = "builtin:tiny"
 MAX_TOKENS = 40
 K = 3
-BLOCK_BYTES = 16 * 2 * (16 + 16) * 4 * 2  # block_size * kv heads * (K + V head dims) * fp32 * 2 layers
 
 
 def prompts() -> list[list[int]]:
@@ -56,7 +55,7 @@ def run(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
 
 def make_llm(model_dir: str, url: str, **kwargs: object) -> LLM:
     return LLM(model=model_dir, worker_cls=WORKER_CLS, additional_config=sidecar_url_config(url),
-               kv_cache_memory_bytes=12 * BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=4,
+               kv_cache_memory_bytes=12 * TINY_BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=4,
                max_num_batched_tokens=64, enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False, seed=0,
                **kwargs)
 

@@ -14,10 +14,9 @@ import pytest
 from vllm import LLM, SamplingParams
 
 from tests.server.serverproc import start_server
-from tests.vllm.conftest import WORKER_CLS, oracle, sidecar_url_config
+from tests.vllm.conftest import TINY_BLOCK_BYTES, WORKER_CLS, generated, oracle, sidecar_url_config
 
 MODEL = "builtin:tiny"
-BLOCK_BYTES = 16 * 2 * (16 + 16) * 4 * 2  # block_size * kv heads * (K + V head dims) * fp32 * 2 layers
 
 
 @pytest.fixture(scope="module")
@@ -30,21 +29,15 @@ def socket_server():
         shutil.rmtree(where, ignore_errors=True)
 
 
-def _generated(server) -> float:
-    with server.client() as c:
-        text = c.get("/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("mlx_worker_generation_tokens_total"))
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_greedy_tokens_over_a_unix_socket_are_mlx_lms(socket_server, async_scheduling: bool, home: str,
                                                         vllm_model_dir) -> None:
     assert socket_server.url.startswith("unix://")
     rng = random.Random(7)
     ps = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 19, 40)]
-    before = _generated(socket_server)
+    before = generated(socket_server)
     llm = LLM(model=vllm_model_dir(MODEL), worker_cls=WORKER_CLS, additional_config=sidecar_url_config(socket_server.url),
-              kv_cache_memory_bytes=32 * BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=4,
+              kv_cache_memory_bytes=32 * TINY_BLOCK_BYTES, block_size=16, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=64, enforce_eager=True, seed=0, async_scheduling=async_scheduling)
     try:
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
@@ -56,4 +49,4 @@ def test_greedy_tokens_over_a_unix_socket_are_mlx_lms(socket_server, async_sched
     for i, (o, w) in enumerate(zip(outs, want)):
         assert list(o.outputs[0].token_ids) == w["tokens"], f"prompt {i}"
     # The tokens were sampled by this sidecar, over its socket (it has no TCP listener).
-    assert _generated(socket_server) - before >= len(ps) * 16
+    assert generated(socket_server) - before >= len(ps) * 16
