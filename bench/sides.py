@@ -252,10 +252,11 @@ class SidecarSide:
 
     def run(self, requests: list[Request], *, tag: str, max_num_seqs: int | None = None,
             on_event: Callable[[Event, float], None] | None = None, scheduler: Scheduler | None = None,
-            probe: bool = False, take_drafts: bool = False, pipelined: int = 0) -> tuple[RunResult, Scheduler]:
+            probe: bool = False, take_drafts: bool = False, pipelined: int = 0,
+            decode_steps: int = 1) -> tuple[RunResult, Scheduler]:
         sched = scheduler or Scheduler(
             num_blocks=self.num_blocks, block_size=self.block_size, max_num_seqs=max_num_seqs or self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, eos_token_ids=self.eos)
+            max_num_batched_tokens=self.max_num_batched_tokens, eos_token_ids=self.eos, num_decode_steps=decode_steps)
         # take_drafts: the server's proposer drafts (take_draft_token_ids after each step), as vLLM's engine does.
         for r in requests:
             sched.add_request(r)
@@ -268,7 +269,7 @@ class SidecarSide:
         def event(e: Event) -> None:
             now = perf() - t0
             tokens[e.req_id] += e.new_token_ids
-            times[e.req_id].append(now)
+            times[e.req_id] += [now] * len(e.new_token_ids)  # (an event may bring several)
             first.setdefault(e.req_id, now)
             if on_event is not None:
                 on_event(e, now)

@@ -14,7 +14,8 @@ At `long_kv8_context` the same runs on a server with `--kv-dtype 8bit` against m
 QuantizedKVCache of 8 bits (`long_ctx_<n>_kv8_*`; `*_vs_fp_*`: each side's 8-bit / full-precision rate).
 
 The tiny stream is also run with two steps in flight (`*_pipelined_*`: one pipelined connection;
-`*_pipelined_2conn_*`: two connections).
+`*_pipelined_2conn_*`: two connections) and with up to DECODE_STEPS decode steps per call
+(`*_steps_*`, docs/protocol.md "Several decode steps in one call").
 
 Both report `decode_rate` (prefill excluded) ratios of back-to-back pairs, sides alternating,
 and the CPU each side burns per generated token (`*_cpu_ratio` = mlx-lm's / the sidecar's, the
@@ -32,6 +33,7 @@ from bench.scenarios import Bench, alternate, decode_rate, median
 from bench.sides import MlxLmSide, RunResult, SidecarSide, requests_for
 
 PairFor = Callable[..., tuple[SidecarSide, MlxLmSide]]  # (model, blocks[, kv_dtype])
+DECODE_STEPS = 16
 
 
 def _pairs(b: Bench, label: str, repeats: int, sidecar: SidecarSide, sidecar_run: Callable[[], RunResult],
@@ -110,6 +112,16 @@ def tiny_single_stream(b: Bench, pair_for: PairFor) -> None:
         b.results.update({f"{key}_ratio": piped["ratio"], f"{key}_sidecar_tok_s": piped["sidecar_tok_s"],
                           f"{key}_tokens_match": piped["tokens_match"], f"{key}_cpu_ratio": piped["cpu_ratio"]})
         b.raw[f"{key}_pair_ratios"] = piped["pair_ratios"]
+    sidecar.run(requests_for([prompt], 4), tag="warmup", decode_steps=DECODE_STEPS)
+    multi = _pairs(b, f"tiny_single_stream {DECODE_STEPS} steps a call", p.tiny_repeats, sidecar,
+                   lambda: sidecar.run(requests_for([prompt], p.tiny_new_tokens), tag="tiny_steps",
+                                       decode_steps=DECODE_STEPS)[0],
+                   lambda: mlx.single(prompt, p.tiny_new_tokens), p.tiny_new_tokens)
+    b.results.update({"tiny_single_stream_steps_ratio": multi["ratio"], "tiny_decode_steps": DECODE_STEPS,
+                      "tiny_single_stream_steps_sidecar_tok_s": multi["sidecar_tok_s"],
+                      "tiny_single_stream_steps_tokens_match": multi["tokens_match"],
+                      "tiny_single_stream_steps_cpu_ratio": multi["cpu_ratio"]})
+    b.raw["tiny_single_stream_steps_pair_ratios"] = multi["pair_ratios"]
 
 
 def _mlx_cached_decode(mlx: MlxLmSide, prompt: list[int], cached: int,

@@ -3,4 +3,4 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--pipeline", type=int, choices=[0, 1, 2], default=0,
                      help="two steps in flight (docs/protocol.md, pipelined steps) over 1 pipelined connection "
                           "or 2 connections; 0: one step at a time. Not with --speculative")
+    gen.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
+                     help="decode up to N tokens per call once the prompt is in (docs/protocol.md, several decode "
+                          "steps in one call): one round trip per N tokens")
 
     from sidecar.scheduler.embed import add_embed_parser
 

@@ -97,8 +97,11 @@ class Driver:
                "preempted_req_ids": self.preempted, "scheduled_spec_decode_tokens": {}, "num_common_prefix_blocks": [0]}
         return out
 
-    def step(self, chunk: int = 16, only: list[str] | None = None) -> dict:
+    def step(self, chunk: int = 16, only: list[str] | None = None, steps: int = 1) -> dict:
+        """One call; `steps` > 1 asks for that many decode steps in it (num_decode_steps)."""
         so = self.build(chunk, only)
+        if steps > 1:
+            so["num_decode_steps"] = steps
         res = self.execute(so)
         res = res.to_wire() if hasattr(res, "to_wire") else res
         self.commit(so, res)
@@ -115,9 +118,13 @@ class Driver:
                 r.pooled = res["pooler_output"][res["req_id_to_index"][rid]]
             if toks:
                 r.out += toks
-                if res.get("logprobs"):
+                if so.get("num_decode_steps", 1) > 1:  # several decode steps: all but the last token computed
+                    r.computed += len(toks) - 1
+                lp = res.get("logprobs")
+                if lp:
                     i = res["req_id_to_index"][rid]
-                    r.logprobs.append(res["logprobs"]["logprobs"][i][0])
+                    at = lp["cu_num_generated_tokens"][i] if lp.get("cu_num_generated_tokens") else i
+                    r.logprobs += [row[0] for row in lp["logprobs"][at : at + len(toks)]]
 
     def run(self, max_new: int, chunk: int = 16) -> dict[str, list[int]]:
         while any(len(r.out) < max_new for r in self.reqs.values()):

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from sidecar.errors import ProtocolError, StateError
 from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
-from sidecar.engine import pooling, prefill_split
+from sidecar.engine import multistep, pooling, prefill_split
 from sidecar.engine.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.engine.lora import LoRAManager
 from sidecar.engine.multimodal import Multimodal, refuse_images
@@ -30,16 +30,9 @@ from sidecar.engine.overlap import DecodeOverlap
 from sidecar.engine.planner import apply, plan_step
 from sidecar.engine.state import RequestState, Row, StepPlan
 from sidecar.engine.outputs import StepStats, build_output
-from sidecar.engine.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens
+from sidecar.engine.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens, plain_greedy
 from sidecar.engine.selection import forward_at
 from sidecar.engine.spec_decode import SpecCounters, Verified, verify
-
-
-def _plain_greedy(row: Row) -> bool:
-    """Greedy with nothing that changes the logits or asks for logprobs: argmax is the whole sampler."""
-    p = row.state.sampling_params
-    return (p.greedy and not p.has_penalties and not p.logit_bias and not p.allowed_token_ids
-            and not p.bad_words_token_ids and p.logprobs is None and len(row.state.output_token_ids) >= p.min_tokens)
 
 
 @dataclass
@@ -156,6 +149,7 @@ class ModelRunner:
         if self._pending is not None:
             raise StateError("execute_model: the previous step waits for sample_tokens; call sample_tokens first")
         t0 = time.perf_counter()
+        multistep.check(out, defer_sampling)
         mm_plan = self.mm.plan(out, self.requests) if self.mm else refuse_images(out, type(self.model).__module__)
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
@@ -176,6 +170,8 @@ class ModelRunner:
                 self.last_stats = StepStats()
                 return None
             result = self._finish(plan.rows, logits, prompt_lp, live=True)
+            if out.num_decode_steps > 1:
+                result = multistep.run(self, plan.rows, result, out.num_decode_steps)
         except BaseException:
             restore()
             raise
@@ -215,6 +211,10 @@ class ModelRunner:
         if p.tier is not None:
             result.invalid_block_ids = p.tier.invalid
         return result
+
+    def decode_rows(self, rows: list[Row]) -> ModelRunnerOutput:
+        """Another step of the scheduler's call on `rows` (multistep.py): as live as the call's first."""
+        return self._finish(rows, *self._logits(rows), live=True)
 
     def run_rows(self, rows: list[Row]) -> ModelRunnerOutput:
         """Forward and sample rows outside the scheduler's steps (the memory profile): nothing
@@ -289,7 +289,8 @@ class ModelRunner:
             probs = self.proposer.draft_probs(rows) if self.proposer is not None else None
             verified = verify(self.sampler, logits, rows, probs)
             res = SampleResult([t[0] if t else 0 for t in verified.token_ids], None, None, None, verified.num_nans)
-        elif grammar is None and all(_plain_greedy(r) for r in rows):  # argmax is the whole sampler
+        elif grammar is None and all(plain_greedy(r.state.sampling_params, len(r.state.output_token_ids))
+                                     for r in rows):  # argmax is the whole sampler
             tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
             mx.eval(tokens, nans, pool)  # the step's one sync
             res, pool = SampleResult(tokens.tolist(), None, None, None, nans.tolist()), []

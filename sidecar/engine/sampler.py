@@ -137,6 +137,12 @@ def _gather_logprobs(lp: mx.array, ids: mx.array, k: int) -> tuple[mx.array, mx.
     return mx.concatenate([ids[:, None], top.astype(ids.dtype)], 1), mx.concatenate([tok_lp, top_lp], 1), ranks
 
 
+def plain_greedy(p: SamplingParams, num_outputs: int) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: argmax is the whole sampler."""
+    return (p.greedy and not p.has_penalties and not p.logit_bias and not p.allowed_token_ids
+            and not p.bad_words_token_ids and p.logprobs is None and num_outputs >= p.min_tokens)
+
+
 def greedy_tokens(logits: mx.array) -> mx.array:
     """mlx-lm's greedy pick: the argmax of its logprobs, `logits - logsumexp(logits)` in the logits'
     own dtype. In bf16/fp16 that subtraction rounds logits a few ulps apart to one logprob (the

@@ -108,7 +108,8 @@ def generate_cli(args: argparse.Namespace) -> int:
                           eos_token_ids=model["eos_token_ids"], max_model_len=info.get("max_model_len") or 0,
                           enable_prefix_caching=prefix_caching_offered(info.get("kv_cache_spec")),
                           kv_store_lookup=worker.kv_store_lookup if (info.get("kv_store") or {}).get("refused", 1) is None
-                          else None)  # a server with a usable --kv-store-dir: prompts load and save through it
+                          else None,  # a server with a usable --kv-store-dir: prompts load and save through it
+                          num_decode_steps=getattr(args, "num_decode_steps", 1))
         sampling: dict = {"temperature": args.temperature}
         if args.seed is not None:
             sampling["seed"] = args.seed

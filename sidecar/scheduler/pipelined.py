@@ -4,10 +4,11 @@
 samples for decodes the token it is about to get, sent as the placeholder `[-1]`
 (docs/protocol.md, "Pipelined steps"); the worker fills it from its own state. It is built only
 when that is all the next step would do anyway: every row of step n samples, none has drafts or
-reaches max_tokens / max_model_len with its next token, nothing is waiting, and the blocks fit
-without preemption. Otherwise None, and the caller waits for step n's reply and schedules as
-usual. A request that stops (eos, a stop id) in step n has one wasted token computed in n + 1,
-which `update_from_output` drops (it is no longer running), as in vLLM. Plain Python, no MLX.
+reaches max_tokens / max_model_len with its next token, nothing is waiting, the blocks fit
+without preemption, and step n is one decode step (no `num_decode_steps`). Otherwise None, and
+the caller waits for step n's reply and schedules as usual. A request that stops (eos, a stop
+id) in step n has one wasted token computed in n + 1, which `update_from_output` drops (it is no
+longer running), as in vLLM. Plain Python, no MLX.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def schedule_ahead(s: Scheduler, out: dict) -> dict | None:
     """Step n + 1 for `out` (step n, whose reply is not in yet), or None (see the module doc)."""
     counts = out["num_scheduled_tokens"]
     spec = out.get("scheduled_spec_decode_tokens") or {}
-    if not counts or s.waiting:
+    if not counts or s.waiting or out.get("num_decode_steps", 1) > 1:  # (how far step n decodes is the worker's)
         return None
     reqs = [s.requests.get(rid) for rid in counts]
     if not all(_continues(s, r, counts[r.req_id] if r else 0, spec) for r in reqs):

@@ -7,7 +7,10 @@ chunked prefills), then FCFS admission of waiting ones under a token budget and 
 chunked prefill; prefix caching; preemption by recompute when blocks run out. Speculative
 decoding as vLLM's: a running request's drafts (`update_draft_token_ids`, from the worker's
 take_draft_token_ids or `propose_ngram`) are scheduled with it (budget and blocks for the k extra
-slots), and `num_computed_tokens` is rolled back by the drafts the worker rejected.
+slots), and `num_computed_tokens` is rolled back by the drafts the worker rejected. With
+`num_decode_steps` n > 1, a step that only decodes (every running request, nothing waiting) asks
+the worker for up to n tokens a request in one call (blocks for the n - 1 positions past the step
+when they are free, else as far as the blocks go).
 """
 
 from __future__ import annotations
@@ -15,95 +18,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 
 from sidecar.scheduler import images
 from sidecar.scheduler.blocks import BlockManager
 from sidecar.scheduler.kv_store import Lookup, StoreTier, full_block_hashes
+from sidecar.scheduler.request import Event, Request, Status
 
-
-class Status(str, Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)  # identity equality: requests live in lists that are searched and removed from
-class Request:
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: dict  # wire map with vLLM field names (temperature, top_p, seed, logprobs, ...)
-    max_tokens: int
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # over prompt + output tokens; reset to 0 by preemption
-    status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | None = None  # the eos/stop token that finished it
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
-    num_preemptions: int = 0
-    sent: bool = False  # the worker has seen it: it is a "new" request exactly once
-    # Block manager state (blocks.SeqLike).
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_cached_blocks: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
-    # A pooling request (wire pooling_params, vLLM names): prefilled, never sampled; finished by
-    # the step that returns its pooler_output, kept in `pooled`. Use max_tokens=1.
-    pooling_params: dict | None = None
-    pooled: list | None = None
-    mm_features: list[dict] = field(default_factory=list)  # wire items (images.py), sent with the new request
-
-    def __post_init__(self) -> None:
-        self.prompt_token_ids = list(self.prompt_token_ids)
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        if not self.prompt_token_ids:
-            raise ValueError(f"request {self.req_id!r}: empty prompt")
-        if self.max_tokens < 1:
-            raise ValueError(f"request {self.req_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"request {self.req_id!r}: min_tokens must be in [0, max_tokens]")
-
-    @property
-    def mm_spans(self) -> list[tuple[int, int, str]]:
-        """Its images' placeholders and identifiers, which its block hashes take (blocks.py)."""
-        return images.spans(self.mm_features)
-
-    @property
-    def min_tokens(self) -> int:
-        return int(self.sampling_params.get("min_tokens") or 0)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
-
-    def wire_sampling_params(self) -> dict:
-        # vLLM's SamplingParams carries these too; the worker needs them for min_tokens masking.
-        return {**self.sampling_params, "max_tokens": self.max_tokens,
-                "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos}
-
-
-@dataclass
-class Event:
-    req_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    pooled: list | None = None  # a pooling request's result
+__all__ = ["Event", "Request", "Scheduler", "Status", "prefix_caching_offered", "run"]
 
 
 def prefix_caching_offered(kv_cache_spec: dict | None) -> bool:
@@ -116,10 +37,12 @@ class Scheduler:
     def __init__(
         self, *, num_blocks: int, block_size: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
         eos_token_ids: Sequence[int] = (), enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-        max_model_len: int = 0, kv_store_lookup: Lookup | None = None,
+        max_model_len: int = 0, kv_store_lookup: Lookup | None = None, num_decode_steps: int = 1,
     ):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or long_prefill_token_threshold < 0:
-            raise ValueError("need max_num_seqs >= 1, max_num_batched_tokens >= 1, long_prefill_token_threshold >= 0")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or long_prefill_token_threshold < 0 or num_decode_steps < 1:
+            raise ValueError("need max_num_seqs >= 1, max_num_batched_tokens >= 1, long_prefill_token_threshold >= 0, "
+                             "num_decode_steps >= 1")
+        self.num_decode_steps = num_decode_steps
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -183,7 +106,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[dict] = []
-        cached: list[tuple[Request, list[int] | None, bool]] = []  # (req, blocks sent, resumed)
+        cached: list[tuple[Request, int, bool]] = []  # (req, blocks the worker holds, resumed)
         preempted: list[str] = []
         spec: dict[str, list[int]] = {}
 
@@ -207,7 +130,7 @@ class Scheduler:
                 if k > 0:
                     spec[req.req_id] = req.spec_token_ids[:k]
                 req.spec_token_ids = []
-                cached.append((req, req.block_table[num_blocks:] or None, False))
+                cached.append((req, num_blocks, False))
                 i += 1
 
         # 2. Waiting requests, FCFS: none after a preemption (blocks are short), and the first
@@ -236,15 +159,20 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
             if req.sent:  # resumed after preemption: the worker replaces its table with this one
-                cached.append((req, list(req.block_table), True))
+                cached.append((req, 0, True))
             else:
                 req.sent = True
                 new_reqs.append({"req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
-                                 "block_ids": [list(req.block_table)], "num_computed_tokens": num_computed,
+                                 "block_ids": [req.block_table], "num_computed_tokens": num_computed,
                                  **({"sampling_params": req.wire_sampling_params(), "lora_request": None,
                                      "mm_features": images.sent(req.mm_features, num_computed, self.encoder.held)}
                                     if req.pooling_params is None else {"pooling_params": req.pooling_params})})
 
+        steps = self._decode_steps(num_scheduled, spec)
+        for req in self.running if steps > 1 else ():  # blocks for the positions past the step, if free
+            self.blocks.append_slots(req, num_scheduled[req.req_id] - 1 + self._ahead(req, steps))
+        for nr in new_reqs:
+            nr["block_ids"] = [list(nr["block_ids"][0])]
         finished, self._finished_ids = self._finished_ids, []
         for req_id in finished:
             del self.requests[req_id]
@@ -258,7 +186,7 @@ class Scheduler:
                 "req_ids": [r.req_id for r, _, _ in cached],
                 "resumed_req_ids": [r.req_id for r, _, resumed in cached if resumed],
                 "new_token_ids": [[] for _ in cached],  # the worker appends the tokens it sampled itself
-                "new_block_ids": [None if b is None else [b] for _, b, _ in cached],
+                "new_block_ids": [[r.block_table[b:]] if len(r.block_table) > b else None for r, b, _ in cached],
                 "num_computed_tokens": [r.num_computed_tokens for r, _, _ in cached],
                 "num_output_tokens": [len(r.output_token_ids) for r, _, _ in cached],
             },
@@ -271,7 +199,25 @@ class Scheduler:
             **(self.store.fields(self.requests, num_scheduled, spec) if self.store is not None else {}),
             "scheduled_encoder_inputs": encode,
             "free_encoder_mm_hashes": free,
+            **({"num_decode_steps": steps} if steps > 1 else {}),
         }
+
+    def _decode_steps(self, num_scheduled: dict[str, int], spec: dict) -> int:
+        """num_decode_steps for this step: n when every running request is in it and decodes (it has
+        its first token: a new request's comes back at once), with no drafts, and nothing waits (else
+        1: the worker returns one token a request)."""
+        if self.num_decode_steps == 1 or self.waiting or spec or self.store is not None \
+                or len(num_scheduled) != len(self.running):
+            return 1
+        plain = all(r.num_computed_tokens + num_scheduled[r.req_id] == r.num_tokens and r.output_token_ids
+                    for r in self.running)
+        return self.num_decode_steps if plain else 1
+
+    def _ahead(self, req: Request, steps: int) -> int:
+        """How many of up to `steps` tokens the worker may decode for `req` (max_tokens, max_model_len):
+        the step's own position and those of the tokens after its first."""
+        n = min(steps, req.max_tokens - len(req.output_token_ids))
+        return max(1, min(n, self.max_model_len - req.num_tokens) if self.max_model_len else n)
 
     def update_from_output(self, scheduler_output: dict, model_runner_output: dict) -> list[Event]:
         index = model_runner_output["req_id_to_index"]
@@ -286,6 +232,7 @@ class Scheduler:
             if req is None or req.status is not Status.RUNNING or req_id in failed:
                 continue  # aborted after this step was scheduled, or its store load failed (recomputed)
             k = len(spec.get(req_id, ()))
+            steps = scheduler_output.get("num_decode_steps", 1)
             req.num_computed_tokens += n - k
             new = list(sampled[index[req_id]])
             if req.pooling_params is not None:
@@ -303,17 +250,17 @@ class Scheduler:
             # The worker samples exactly when the computed tokens reach the end of the known ones,
             # and returns 1..k+1 tokens for k drafts.
             sample = req.num_computed_tokens == req.num_tokens
-            if not (1 <= len(new) <= k + 1 if sample else not new):
+            if not (1 <= len(new) <= k + steps if sample else not new):
                 raise ValueError(
                     f"worker returned {new} for {req_id!r} at {req.num_computed_tokens}/{req.num_tokens} tokens, {k} drafts")
             if not new:
                 self.blocks.cache_blocks(req)
                 continue  # a chunk of a longer prefill
-            req.num_computed_tokens += len(new) - 1  # the accepted drafts; the rejected are rolled back
+            req.num_computed_tokens += len(new) - 1  # the accepted drafts (rejected: rolled back), or decoded
             self.num_draft_tokens += k
-            self.num_accepted_tokens += len(new) - 1
+            self.num_accepted_tokens += min(k, len(new) - 1)
             reason = None
-            for i, tok in enumerate(new):  # a stop inside the accepted drafts drops the rest
+            for i, tok in enumerate(new):  # a stop inside the accepted drafts (or decode steps) drops the rest
                 req.output_token_ids.append(tok)
                 reason = self._check_stop(req)
                 if reason is not None:

@@ -143,6 +143,8 @@ class SchedulerOutput:
     kv_store_save: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
     # which requests' multimodal items to encode this step, and which encoder outputs to drop
     encoder: multimodal.EncoderInstructions = field(default_factory=multimodal.EncoderInstructions)
+    # v3: decode every sampling row up to this many tokens in the call (engine/multistep.py)
+    num_decode_steps: int = 1
 
     @classmethod
     def from_wire(cls, d: Any, *, vocab_size: int, max_logprobs: int) -> SchedulerOutput:
@@ -170,7 +172,17 @@ class SchedulerOutput:
             kv_store_load=kv_store.transfers(d, kv_store.LOAD),
             kv_store_save=kv_store.transfers(d, kv_store.SAVE),
             encoder=multimodal.encoder_instructions(d),
+            num_decode_steps=_decode_steps(get(d, "num_decode_steps", int, default=1)),
         )
+
+
+MAX_DECODE_STEPS = 64  # bounds one call's cost: this many decodes of its rows
+
+
+def _decode_steps(n: int) -> int:
+    if not 1 <= n <= MAX_DECODE_STEPS:
+        raise ProtocolError(f"must be in [1, {MAX_DECODE_STEPS}], got {n}", field="num_decode_steps")
+    return n
 
 
 def _block_copy(v: Any, path: str) -> tuple[int, int]:

@@ -63,6 +63,7 @@ def test_bench_tiny_end_to_end(home: str, tmp_path, monkeypatch: pytest.MonkeyPa
     assert doc["tiny_single_stream_tokens_match"] == 1.0
     assert doc["embed_max_abs_diff"] < 1e-4  # both sides embed the same prompts alike
     assert doc["tiny_single_stream_pipelined_tokens_match"] == doc["tiny_single_stream_pipelined_2conn_tokens_match"] == 1.0
+    assert doc["tiny_single_stream_steps_tokens_match"] == 1.0  # several decode steps a call: the same tokens
     curve = doc["long_ctx_curve"]
     assert curve["context"] == [64, 200]  # the tiny profile's contexts
     for n in curve["context"]:

@@ -1,6 +1,6 @@
 """Two real ranks on loopback (ring backend, CPU), rank 0 over HTTP: TP=2 and PP=2 give exactly the
 single-rank sidecar's and mlx-lm's greedy tokens, logprobs within 1e-4, through batching, chunked
-prefill, a prefix hit and a preemption; a rejected call never reaches rank 1."""
+prefill, a prefix hit, a preemption and several decode steps a call; a rejected call never reaches rank 1."""
 
 from __future__ import annotations
 
@@ -90,6 +90,26 @@ def test_group_tokens_equal_single_rank_and_mlx_lm(group: Group, remote: RemoteW
     # Negative control: the other model's tokens differ, so equality above is not an accident.
     other = next(m for m in MODES.values() if m != group.model)
     assert reference[other][0] != ref_tokens
+
+
+def test_group_decodes_several_steps_a_call_as_mlx_lm(group: Group, remote: RemoteWorker, oracle_model) -> None:
+    """num_decode_steps reaches every rank: each runs the call's decode steps, and the tokens and
+    logprobs are mlx-lm's."""
+    d = Driver(lambda so: remote.call("execute_model", scheduler_output=so), BS, BLOCKS)
+    for rid, p in PROMPTS.items():
+        d.add(rid, p, dict(LOGPROBS))
+    d.step(chunk=64)
+    d.step(steps=6)
+    d.step(steps=6)
+    got = {rid: (r.out, r.logprobs) for rid, r in d.reqs.items()}
+    for rid in list(d.reqs):
+        d.finish(rid)
+    d.step()
+    oracle = oracle_model(group.model)
+    for rid, p in PROMPTS.items():
+        want, want_lp = mlx_lm_greedy(oracle, p, 13)
+        assert got[rid][0] == want, rid
+        assert got[rid][1] == pytest.approx(want_lp, abs=1e-4), rid
 
 
 def test_group_describes_the_whole_model(group: Group, remote: RemoteWorker, make_worker) -> None:

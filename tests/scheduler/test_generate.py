@@ -8,6 +8,7 @@ from sidecar.models import resolve_model
 from sidecar.scheduler.generate import load_tokenizer
 from tests.conftest import mlx_lm_greedy
 from tests.server.serverproc import free_port, start_server
+from tests.server.test_metrics import samples, scrape
 
 
 def _generate(*argv: str) -> str:
@@ -18,7 +19,8 @@ def _generate(*argv: str) -> str:
 
 def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> None:
     """`mlx-sidecar generate` against a fresh server (it drives the lifecycle itself) prints the
-    text of exactly mlx-lm's greedy tokens; a sampled run differs, pipelined runs do not."""
+    text of exactly mlx-lm's greedy tokens; a sampled run differs, pipelined runs and runs of
+    several decode steps a call do not."""
     tok = load_tokenizer(str(resolve_model("builtin:tiny", home)))
     prompt = "hello"
     want_ids, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), tok.encode(prompt).ids, 12)
@@ -33,6 +35,10 @@ def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> Non
         assert _generate(*flags, "--temperature", "1.0", "--seed", "5") != out
         for conns in ("1", "2"):  # two steps in flight: the same greedy text
             assert _generate(*flags, "--pipeline", conns) == out
+        calls = lambda: samples(scrape(s.url))[("mlx_worker_steps_total", ())]  # noqa: E731
+        before = calls()
+        assert _generate(*flags, "--num-decode-steps", "4") == out  # up to 4 tokens a call
+        assert calls() - before <= 1 + -(-(len(want_ids) - 1) // 4)  # (one step at a time: a call a token)
 
 
 def test_generate_answers_a_question_with_the_real_model_and_its_chat_template(home: str) -> None:
@@ -51,8 +57,6 @@ def test_generate_with_ngram_speculation_prints_the_same_text(home: str, oracle_
     """`generate --speculative ngram` against a server running the n-gram proposer: the worker's
     drafts (take_draft_token_ids) are verified, the text is mlx-lm's greedy text, and the
     acceptance shows in the server's metrics."""
-    from tests.server.test_metrics import samples, scrape
-
     tok = load_tokenizer(str(resolve_model("builtin:tiny", home)))
     prompt = "one two three one two three one two three one two"
     want_ids, _ = mlx_lm_greedy(oracle_model("builtin:tiny"), tok.encode(prompt).ids, 40)

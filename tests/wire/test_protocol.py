@@ -32,6 +32,7 @@ def test_valid_output_decodes() -> None:
     assert out.scheduled_new_reqs[0].prompt_token_ids == [1, 2, 3]
     assert out.num_scheduled_tokens == {"a": 3}
     assert out.preempted_req_ids == []
+    assert out.num_decode_steps == 1 and decode(so(num_decode_steps=64)).num_decode_steps == 64
 
 
 @pytest.mark.parametrize("mutate, field", [
@@ -43,6 +44,9 @@ def test_valid_output_decodes() -> None:
     (lambda d: d.update(total_num_scheduled_tokens="3"), "total_num_scheduled_tokens"),
     (lambda d: d.update(num_scheduled_tokens={"a": 1.5}), "num_scheduled_tokens.a"),
     (lambda d: d["scheduled_cached_reqs"].update(req_ids=["x"]), "scheduled_cached_reqs.new_block_ids"),  # v2: an empty new_token_ids is fine
+    (lambda d: d.update(num_decode_steps=0), "num_decode_steps"),
+    (lambda d: d.update(num_decode_steps=65), "num_decode_steps"),
+    (lambda d: d.update(num_decode_steps=2.0), "num_decode_steps"),
 ])
 def test_type_errors_name_the_field(mutate, field: str) -> None:
     d = so()
