@@ -68,6 +68,8 @@ def test_corrupted_steps_are_rejected_cleanly(make_worker) -> None:
         if max(len(r.out) for r in d.reqs.values()) > 30:
             d = _fresh(w, rng)
         so = d.build(chunk=8)
+        if rng.random() < 0.3:  # several decode steps in the call: its field is corrupted too
+            so["num_decode_steps"] = rng.choice([2, 5])
         n, ran = run_corrupted(w, d, so, lambda: _mutate(so, rng))
         rejected += n
         if ran:
