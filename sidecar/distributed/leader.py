@@ -30,6 +30,7 @@ from sidecar.distributed.group import Channel, GroupLost, Watchdog, exit_soon, i
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import ProtocolError, SidecarError, Unavailable
 from sidecar.wire.limits import Limits, check_step_shape
+from sidecar.engine import multistep
 from sidecar.engine.planner import plan_step
 from sidecar.worker.mlx_worker import ALLOWED
 
@@ -110,6 +111,7 @@ class LeaderWorker(GroupWorker):
             if out.scheduled_spec_decode_tokens:  # verifying drafts samples inside the verify step
                 raise ProtocolError(f"draft tokens are not supported with --{self.mode}-parallel",
                                     field="scheduled_spec_decode_tokens")
+            multistep.check(out, defer_sampling=False)
             plan_step(runner.requests, out, num_blocks=runner.pool.num_blocks, block_size=runner.pool.block_size,
                       vocab_size=runner.vocab_size, max_model_len=runner.max_model_len, loras=runner.lora.adapters.keys())
             return lambda: runner.execute_model(out)

@@ -161,6 +161,12 @@ def test_rejected_step_never_reaches_rank_1(group: Group, remote: RemoteWorker, 
             assert r.status_code == 400, r.content
             err = msgpack.unpackb(r.content)["error"]
             assert err["field"] == "scheduled_new_reqs[0].block_ids[0][0]"
+            # several decode steps with a disk-tier save: refused on rank 0 by name (multistep.check)
+            bad = {**msgpack.unpackb(msgpack.packb(so)), "num_decode_steps": 4,
+                   "kv_store_save": {so["scheduled_new_reqs"][0]["req_id"]: {"block_hashes": [], "block_ids": []}}}
+            r = httpx.post(f"{group.leader.url}/rpc/execute_model", content=msgpack.packb({"scheduler_output": bad}),
+                           headers={"content-type": "application/msgpack"}, timeout=30)
+            assert r.status_code == 400 and msgpack.unpackb(r.content)["error"]["field"] == "num_decode_steps", r.content
             bad_lifecycle = httpx.post(f"{group.leader.url}/rpc/initialize_cache", json={"num_gpu_blocks": 0}, timeout=30)
             assert bad_lifecycle.status_code == 400 and bad_lifecycle.json()["error"]["field"] == "num_gpu_blocks"
         return remote.call("execute_model", scheduler_output=so)
