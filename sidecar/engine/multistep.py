@@ -72,7 +72,8 @@ def run(runner: Any, rows: list[Row], first: ModelRunnerOutput, n: int) -> Model
         stats.append(runner.last_stats)
     total = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(StepStats) if f.name != "first_token_latencies"}
     runner.last_stats = StepStats(**{**total, "num_rows": stats[0].num_rows,  # (the call's requests)
-                                     "first_token_latencies": sum((s.first_token_latencies for s in stats), ())})
+                                     "first_token_latencies": sum((s.first_token_latencies for s in stats), ()),
+                                     "more_decode_steps": len(stats) - 1})
     return merge(outs)
 
 

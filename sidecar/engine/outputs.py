@@ -24,6 +24,7 @@ class StepStats:
     accepted_tokens: int = 0
     prefill_chunks: int = 0  # rows that computed a prompt chunk without sampling
     pooled_requests: int = 0  # pooling requests whose result the step returned
+    more_decode_steps: int = 0  # decode steps the call ran after its first (multistep.py)
 
 
 def build_output(rows: list[Row], res: SampleResult, verified: Verified | None,

@@ -221,6 +221,8 @@ class Metrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens computed", registry=events)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens sampled", registry=events)
         self.steps = Counter(p + "steps", "execute_model calls that ran a forward pass", registry=events)
+        self.more_decode_steps = Counter(p + "more_decode_steps", "Decode steps calls ran after their first "
+                                         "(num_decode_steps)", registry=events)
         self.prefill_chunks = Counter(p + "prefill_chunks", "Rows that computed part of a prompt without sampling "
                                       "(chunked prefill)", registry=events)
         self.pooling_requests = Counter(p + "pooling_requests", "Pooling requests (embeddings, classification, scores) "
@@ -289,6 +291,8 @@ class Metrics:
             self.prefill_chunks.inc(stats.prefill_chunks)
         if stats.pooled_requests:
             self.pooling_requests.inc(stats.pooled_requests)
+        if stats.more_decode_steps:
+            self.more_decode_steps.inc(stats.more_decode_steps)
         for t in stats.first_token_latencies:
             self.ttft.observe(t)
         if stats.draft_tokens:

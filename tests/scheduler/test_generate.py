@@ -35,10 +35,15 @@ def test_generate_cli_streams_mlx_lm_greedy_text(home: str, oracle_model) -> Non
         assert _generate(*flags, "--temperature", "1.0", "--seed", "5") != out
         for conns in ("1", "2"):  # two steps in flight: the same greedy text
             assert _generate(*flags, "--pipeline", conns) == out
-        calls = lambda: samples(scrape(s.url))[("mlx_worker_steps_total", ())]  # noqa: E731
-        before = calls()
+        def counts() -> tuple[float, float]:
+            m = samples(scrape(s.url))
+            return m[("mlx_worker_steps_total", ())], m[("mlx_worker_more_decode_steps_total", ())]
+
+        calls, more = counts()
+        assert more == 0  # nothing above asked for several decode steps a call
         assert _generate(*flags, "--num-decode-steps", "4") == out  # up to 4 tokens a call
-        assert calls() - before <= 1 + -(-(len(want_ids) - 1) // 4)  # (one step at a time: a call a token)
+        assert counts()[0] - calls <= 1 + -(-(len(want_ids) - 1) // 4)  # (one step at a time: a call a token)
+        assert counts()[0] - calls + counts()[1] - more == len(want_ids)  # a forward per token, counted once
 
 
 def test_generate_answers_a_question_with_the_real_model_and_its_chat_template(home: str) -> None:

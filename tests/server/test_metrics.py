@@ -42,6 +42,7 @@ GAUGES: dict[str, set[str]] = {
 }
 COUNTERS = {"rpc_requests": {"method", "code"}, "prompt_tokens": set(), "generation_tokens": set(),
             "steps": set(), "errors": {"type"}, "prefill_chunks": set(), "pooling_requests": set(),
+            "more_decode_steps": set(),
             "spec_decode_draft_tokens": set(), "spec_decode_accepted_tokens": set(),  # issue 12
             "mlx_thread_idle_seconds": set(),  # issue 11
             "encoder_runs": set(), "encoder_cache_hits": set(), "encoder_cache_misses": set(),
