@@ -143,7 +143,7 @@ class SchedulerOutput:
     kv_store_save: dict[str, kv_store.BlockTransfer] = field(default_factory=dict)
     # which requests' multimodal items to encode this step, and which encoder outputs to drop
     encoder: multimodal.EncoderInstructions = field(default_factory=multimodal.EncoderInstructions)
-    # v3: decode every sampling row up to this many tokens in the call (engine/multistep.py)
+    # v4: decode every sampling row up to this many tokens in the call (engine/multistep.py)
     num_decode_steps: int = 1
 
     @classmethod
@@ -181,7 +181,7 @@ MAX_DECODE_STEPS = 64  # bounds one call's cost: this many decodes of its rows
 
 def _decode_steps(n: int) -> int:
     if not 1 <= n <= MAX_DECODE_STEPS:
-        raise ProtocolError(f"must be in [1, {MAX_DECODE_STEPS}], got {n}", field="num_decode_steps")
+        raise ProtocolError(f"num_decode_steps must be in [1, {MAX_DECODE_STEPS}], got {n}", field="num_decode_steps")
     return n
 
 
