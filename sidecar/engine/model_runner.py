@@ -148,7 +148,7 @@ class ModelRunner:
         assert self.pool is not None, "the cache must be initialised first"
         if self._pending is not None:
             raise StateError("execute_model: the previous step waits for sample_tokens; call sample_tokens first")
-        t0 = time.perf_counter()
+        t0, _ = time.perf_counter(), self.overlap.flush()  # (the last step's queued decode: before any change)
         multistep.check(out, defer_sampling)
         mm_plan = self.mm.plan(out, self.requests) if self.mm else refuse_images(out, type(self.model).__module__)
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
@@ -310,8 +310,8 @@ class ModelRunner:
             last_tok = res.token_ids if verified is None else [t[-1] if t else 0 for t in verified.token_ids]
             at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
                   for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
-            if self.decode_ahead:
-                self.overlap.queue(self, rows, last_tok, at, drafted)
+            if self.decode_ahead:  # queued once the reply has left (overlap.py)
+                self.overlap.defer(self, rows, last_tok, at, drafted)
         out, self.last_stats = build_output(rows, res, verified, prompt_lp,
                                             pooling.finish(rows, self._pool_parts, self.model))
         if verified is not None:

@@ -2,9 +2,12 @@
 
 The runner calls it at two points:
 
-- `queue`, once a step's tokens are known: every row that sampled most likely decodes its new
-  token next, with the same block table. That forward is built and handed to `mx.async_eval`, so
-  it computes while the reply travels and the scheduler plans.
+- `defer`, once a step's tokens are known: every row that sampled most likely decodes its new
+  token next, with the same block table. That forward is built and handed to `mx.async_eval`
+  (`flush`) once the step's reply has left (the server's MLX thread flushes right after handing the
+  reply over), so it computes while the reply travels and the scheduler plans, and the reply does
+  not wait for the forward's graph to be built and dispatched. Anything that runs before the next
+  step flushes it first; anything that changes the blocks under it clears it.
 - `take`, when the next step arrives: its decode rows that match the queued forward exactly (same
   request, position, token and blocks) use its logits; the runner computes the rest.
 
@@ -31,6 +34,7 @@ attention (one KV cache group, quantised K/V included).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -44,6 +48,7 @@ from sidecar.engine.state import Row
 # Internal, for the tests and the bench that compare against it: MLX_SIDECAR_BOUNDARY_AHEAD=0
 # (or `crossing = False`) queues no forward for a row whose next token opens a new block.
 crossing = os.environ.get("MLX_SIDECAR_BOUNDARY_AHEAD", "1") != "0"
+log = logging.getLogger(__name__)
 
 
 def tables(row: Row) -> tuple[list[int], ...]:
@@ -76,10 +81,25 @@ class Queued:
 class DecodeOverlap:
     def __init__(self) -> None:
         self.queued: Queued | None = None
+        self.deferred: tuple | None = None  # `queue`'s arguments, until `flush`
         self.hits = self.misses = 0  # decode rows taken from a queued forward / queued for nothing
 
     def clear(self) -> None:
-        self.queued = None
+        self.queued = self.deferred = None
+
+    def defer(self, *args: Any) -> None:
+        """`queue(*args)` at the next `flush`."""
+        self.queued, self.deferred = None, args
+
+    def flush(self) -> None:
+        args, self.deferred = self.deferred, None
+        if args is None:
+            return
+        try:
+            self.queue(*args)
+        except Exception:  # noqa: BLE001 - a guess that failed: the next step computes its rows itself
+            self.clear()
+            log.warning("the decode-ahead forward failed; the next step computes its rows", exc_info=True)
 
     def queue(self, runner: Any, rows: Sequence[Row], tokens: Sequence[int], at: Sequence[int],
               skip: set[str] | frozenset[str] = frozenset()) -> None:
@@ -114,6 +134,7 @@ class DecodeOverlap:
 
     def take(self, runner: Any, rows: Sequence[Row], decode: list[int], last: list) -> list[int]:
         """Fill `last` for the decode rows the queued forward computed; returns the rest."""
+        self.flush()
         q, self.queued = self.queued, None
         if q is None:
             return decode

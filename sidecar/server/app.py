@@ -74,7 +74,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sc.loop = asyncio.get_running_loop()
-        sc.thread = MLXThread(config.max_queue, after_job=sc.publish)
+        sc.thread = MLXThread(config.max_queue, after_job=sc.publish, after_reply=sc.after_reply)
         metrics_.thread = sc.thread
         if hasattr(worker, "attach_thread"):  # scale-out: a lost rank answers the call stuck on it
             worker.attach_thread(sc.thread)

@@ -86,12 +86,15 @@ class MLXThread:
     """One thread runs every MLX call, in arrival order, behind a bounded queue.
 
     `call` and `submit` are used from the event loop thread only, so the bound needs no lock of its
-    own. The thread publishes the worker's state after every job through `after_job`.
+    own. The thread publishes the worker's state after every job through `after_job`, and runs
+    `after_reply` once the job's result is handed to the event loop (the reply need not wait for it).
     """
 
-    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None):
+    def __init__(self, max_queue: int, after_job: Callable[[], None] | None = None,
+                 after_reply: Callable[[], None] | None = None):
         self.max_queue = max_queue
         self._after_job = after_job
+        self._after_reply = after_reply  # work that may wait until the reply is handed over
         self._queue: queue.Queue[_Job | None] = queue.Queue()  # bounded by `call`; the stop sentinel always fits
         self._stopping = False
         self.busy_since: float | None = None  # monotonic start of the running job, None when idle
@@ -138,17 +141,19 @@ class MLXThread:
             finally:
                 self.busy_since, self._running = None, None
             # Published before the reply is handed over: a probe read after a reply sees its effects.
-            self._publish()
+            self._hook(self._after_job)
             if job.future is not None and job.loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            self._hook(self._after_reply)
 
-    def _publish(self) -> None:
-        if self._after_job is not None:
+    @staticmethod
+    def _hook(fn: Callable[[], None] | None) -> None:
+        if fn is not None:
             try:
-                self._after_job()
-            except Exception:  # noqa: BLE001 - publishing must never stop the worker
-                log.exception("publishing the worker state failed")
+                fn()
+            except Exception:  # noqa: BLE001 - a hook must never stop the worker
+                log.exception("the MLX thread's %s failed", getattr(fn, "__name__", "hook"))
 
     async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run fn on the MLX thread. A call still queued after `timeout` is dropped (503); once

@@ -39,6 +39,12 @@ class Sidecar:
     def publish(self) -> None:
         self.metrics.publish(self.worker)
 
+    def after_reply(self) -> None:
+        """The step's decode-ahead forward, queued once its reply is on its way (engine/overlap.py)."""
+        runner = self.worker.runner
+        if runner is not None:
+            runner.overlap.flush()
+
     def begin_drain(self) -> None:
         """Stop taking RPCs (503) and drop calls that have not started. Safe in a signal handler:
         it only sets flags and schedules the rest on the event loop."""

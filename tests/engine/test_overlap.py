@@ -142,7 +142,9 @@ def test_a_finished_row_and_a_new_pool_drop_the_queued_forward(make_worker, orac
     assert (w.runner.ahead_hits - hits, w.runner.ahead_misses - misses) == (1, 1)
     d.run(8)
     assert d.reqs["b"].out[:8] == mlx_lm_greedy(oracle_model("builtin:tiny"), PROMPT[::-1], 8)[0]
-    assert w.runner.overlap.queued is not None
+    assert w.runner.overlap.deferred is not None  # queued once the reply has left (the MLX thread flushes)
+    w.runner.overlap.flush()
+    assert w.runner.overlap.queued is not None and w.runner.overlap.deferred is None
     w.runner.allocate(16)
     assert w.runner.overlap.queued is None
 
@@ -170,6 +172,7 @@ def test_joins_preemption_skipped_steps_and_prefix_hits_keep_mlx_lm_tokens(make_
     assert w.runner.ahead_misses > misses
     # a crosses again at 48 and is preempted right after: the crossing row misses, nothing leaks.
     stream(d, "a", 44)
+    w.runner.overlap.flush()  # (as the server's MLX thread does once the reply has left)
     q = w.runner.overlap.queued
     assert a.computed == 48 and q is not None and q.crossing_id == "a"
     misses = w.runner.ahead_misses

@@ -79,3 +79,30 @@ def test_the_idle_time_includes_the_wait_going_on() -> None:
 
     a, b = asyncio.run(main())
     assert 0.09 < b - a < 1.0
+
+
+def test_after_reply_runs_once_the_result_is_handed_over() -> None:
+    """The hook (the decode-ahead forward, engine/overlap.py) may not delay the reply: here it
+    waits for the awaiting side to have the result, which it could never have if the hook ran
+    first; the next call still runs after the hook."""
+    got_reply = threading.Event()
+    order: list[str] = []
+
+    def after_reply() -> None:
+        if order:  # (the first call only)
+            return
+        order.append("hook waits" if got_reply.wait(5) else "hook timed out")
+
+    async def main() -> str:
+        t = MLXThread(max_queue=4, after_reply=after_reply)
+        try:
+            result = await t.call(lambda: "step", 10)
+            got_reply.set()
+            await t.call(lambda: order.append("next call"), 10)
+            return result
+        finally:
+            t.stop()
+            t.join(5)
+
+    assert asyncio.run(main()) == "step"
+    assert order == ["hook waits", "next call"]
