@@ -3,8 +3,8 @@
 A step's rows are split into decode rows (one token) and prefill chunks of similar length, each
 run as one padded batch, so a long chunk never pads 63 decodes (or a short chunk) up to its length.
 Only the positions whose logits are needed (each row's last, plus prompt-logprob positions) go
-through the LM head (selection.py). After a step, the likely next decode forward is queued
-(overlap.py) so it computes during the RPC round trip; outputs.py builds the step's output.
+through the LM head (selection.py). After a step's reply the likely next decode is queued
+(overlap.py); outputs.py builds the output; multistep.py decodes on (`num_decode_steps`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import mlx.nn as nn
 
 from sidecar.errors import ProtocolError, StateError
 from sidecar.wire.protocol import ModelRunnerOutput, SchedulerOutput
-from sidecar.engine import multistep, pooling, prefill_split
+from sidecar.engine import multistep, overlap, pooling, prefill_split
 from sidecar.engine.grammar import GrammarMask, apply_grammar, decode_grammar
 from sidecar.engine.lora import LoRAManager
 from sidecar.engine.multimodal import Multimodal, refuse_images
 from sidecar.kv.batch_caches import build_caches, read_bounded, read_limit, step_batches
 from sidecar.kv.pool import KVPool, LayerSpec
 from sidecar.kv.spec import STATE, ModelCaches
-from sidecar.engine.overlap import DecodeOverlap
 from sidecar.engine.planner import apply, plan_step
 from sidecar.engine.state import RequestState, Row, StepPlan
 from sidecar.engine.outputs import StepStats, build_output
@@ -66,7 +65,7 @@ class ModelRunner:
         self.lora = LoRAManager(model, lora_dir, max_loras)
         # The overlap writes a guessed step's K/V; a recurrent state it advanced could not be undone.
         self.decode_ahead = decode_ahead and not self.caches.has_state and not self.caches.scalar_offsets
-        self.overlap = DecodeOverlap()
+        self.overlap = overlap.DecodeOverlap()
         self._pending: _Pending | None = None
         self.spec = SpecCounters()
         self.proposer: Any = None  # proposers.Proposer: drafts for the next step (take_draft_token_ids)
@@ -142,13 +141,14 @@ class ModelRunner:
         return SchedulerOutput.from_wire(d, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
 
     def execute_model(self, out: SchedulerOutput, defer_sampling: bool = False) -> ModelRunnerOutput | None:
-        """Run a step: plan -> batches -> forward -> sample -> output, then queue the likely next
-        decode (overlap.py). With `defer_sampling` (v2) the forward is queued and None returned;
-        `sample_tokens` then samples it (with a grammar bitmask) and returns the output."""
+        """Run a step: plan -> batches -> forward -> sample -> output; the likely next decode is
+        queued once the reply has left (overlap.py). With `defer_sampling` (v2) the forward is queued
+        and None returned; `sample_tokens` then samples it (with a grammar bitmask) and returns the output."""
         assert self.pool is not None, "the cache must be initialised first"
         if self._pending is not None:
             raise StateError("execute_model: the previous step waits for sample_tokens; call sample_tokens first")
-        t0, _ = time.perf_counter(), self.overlap.flush()  # (the last step's queued decode: before any change)
+        self.overlap.flush()  # the last step's decode-ahead, if no server queued it after its reply
+        t0 = time.perf_counter()
         multistep.check(out, defer_sampling)
         mm_plan = self.mm.plan(out, self.requests) if self.mm else refuse_images(out, type(self.model).__module__)
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
