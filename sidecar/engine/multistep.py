@@ -15,6 +15,7 @@ tokens after one are returned and dropped by the scheduler, which finishes the r
 from __future__ import annotations
 
 from dataclasses import fields
+from itertools import accumulate
 from typing import Any, Sequence
 
 from sidecar.errors import ProtocolError
@@ -98,9 +99,7 @@ def merge(outs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
     logprobs = None
     if first.logprobs is not None:
         flat = [x for per in lp_rows for x in per]
-        cu = [0]
-        for per in lp_rows:
-            cu.append(cu[-1] + len(per))
-        logprobs = LogprobsLists([x[0] for x in flat], [x[1] for x in flat], [x[2] for x in flat], cu)
+        logprobs = LogprobsLists([x[0] for x in flat], [x[1] for x in flat], [x[2] for x in flat],
+                                 [0, *accumulate(map(len, lp_rows))])
     return ModelRunnerOutput(first.req_ids, first.req_id_to_index, tokens, logprobs, first.prompt_logprobs_dict,
                              nans or None, first.pooler_output)

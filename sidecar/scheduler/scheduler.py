@@ -163,7 +163,8 @@ class Scheduler:
             else:
                 req.sent = True
                 new_reqs.append({"req_id": req.req_id, "prompt_token_ids": list(req.prompt_token_ids),
-                                 "block_ids": [req.block_table], "num_computed_tokens": num_computed,
+                                 "block_ids": [req.block_table],  # (copied below, once any extra blocks are in)
+                                 "num_computed_tokens": num_computed,
                                  **({"sampling_params": req.wire_sampling_params(), "lora_request": None,
                                      "mm_features": images.sent(req.mm_features, num_computed, self.encoder.held)}
                                     if req.pooling_params is None else {"pooling_params": req.pooling_params})})
@@ -226,13 +227,13 @@ class Scheduler:
         spec = scheduler_output.get("scheduled_spec_decode_tokens") or {}
         events: list[Event] = []
         nst = scheduler_output["num_scheduled_tokens"]
+        steps = scheduler_output.get("num_decode_steps", 1)
         failed = StoreTier.rewinds(self.requests, nst, model_runner_output, self.block_size) if self.store else ()
         for req_id, n in nst.items():
             req = self.requests.get(req_id)
             if req is None or req.status is not Status.RUNNING or req_id in failed:
                 continue  # aborted after this step was scheduled, or its store load failed (recomputed)
             k = len(spec.get(req_id, ()))
-            steps = scheduler_output.get("num_decode_steps", 1)
             req.num_computed_tokens += n - k
             new = list(sampled[index[req_id]])
             if req.pooling_params is not None:
