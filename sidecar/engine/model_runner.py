@@ -258,7 +258,10 @@ class ModelRunner:
         last: list[mx.array | None] = [None] * len(rows)
         decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         if overlap:
-            decode = self.overlap.take(self, rows, decode, last)
+            decode, taken = self.overlap.take(self, rows, decode, last)
+            if taken is not None:  # every row, in order
+                self._built = [taken]
+                return taken, {}
         self._built = [x for x in last if x is not None] or None  # (the queued forward may still read the pool)
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
@@ -267,12 +270,13 @@ class ModelRunner:
         batches = step_batches(rows, decode, prefill, self.caches)
         limit = self.read_limit()
         stores: list = []  # recurrent states are written back once every batch of the step is built
-        for parts in [read_bounded(rows, group, limit) for group in batches]:
-            for group in parts:
-                if group:
-                    self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores)  # (one part at a time)
+        runs = [(group, self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores))
+                for parts in [read_bounded(rows, group, limit) for group in batches]
+                for group in parts if group]  # (one part at a time)
         for store in stores:
             store()
+        if len(runs) == 1 and runs[0][0] == list(range(len(last))):  # one batch: its array, no slice per row
+            return runs[0][1], prompt_lp
         return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
 
     def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, grammar: GrammarMask | None = None,
@@ -320,17 +324,19 @@ class ModelRunner:
         return out
 
     def forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
-                stores: list | None = None) -> None:
+                stores: list | None = None) -> mx.array:
         """One padded batch of `rows` through the paged cache, lazy: fills `last[where[b]]` with row
         b's logits [1 + num_draft, V] (its last position, and its drafts') and `prompt_lp[where[b]]`
         with its prompt-logprob span (logits, targets). Recurrent states are stored now, or, with
-        `stores`, by the callable appended to it (once every batch of the step is built)."""
+        `stores`, by the callable appended to it (once every batch of the step is built). Returns
+        the rows' `last` logits as one array."""
         self._settle()
         if self.batch_guard is None:
             return self._batch(rows, where, last, prompt_lp, stores)
         with self.batch_guard():
-            self._batch(rows, where, last, prompt_lp, stores)
-            mx.eval([last[w] for w in where])
+            out = self._batch(rows, where, last, prompt_lp, stores)
+            mx.eval(out)
+        return out
 
     def _settle(self) -> None:
         """Before a step's second forward, evaluate the ones before it: MLX writes a pool in place
@@ -341,7 +347,8 @@ class ModelRunner:
             mx.eval(self._built, self.pool.arrays())  # type: ignore[union-attr]
         self._built = []
 
-    def _batch(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict, stores: list | None) -> None:
+    def _batch(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
+               stores: list | None) -> mx.array:
         pool = self.pool
         assert pool is not None
         lengths = [len(r.token_ids) for r in rows]
@@ -391,6 +398,7 @@ class ModelRunner:
             last[w] = logits[last_at[b] : last_at[b] + 1 + rows[b].num_draft]
         for b, first, count, targets in spans:
             prompt_lp[where[b]] = (logits[first : first + count], targets)
+        return logits if not spans else mx.concatenate([last[w] for w in where], axis=0)
 
     def _propose(self, rows: list[Row], res: SampleResult, verified: Verified | None) -> set[str]:
         """Hand this step's tokens to the proposer (drafts for the next step); returns the ids it drafted for."""

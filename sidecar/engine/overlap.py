@@ -121,8 +121,7 @@ class DecodeOverlap:
         nxt = [Row(rows[i].state, at[i], [int(tokens[i])], [*rows[i].block_ids, pool.scratch] if i == cross
                    else rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids) for i in idx]
         last: list = [None] * len(nxt)
-        runner.forward(nxt, list(range(len(nxt))), last, {})
-        logits = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)
+        logits = runner.forward(nxt, list(range(len(nxt))), last, {})
         kv: list[mx.array] = []
         if cross is not None:  # arrays of their own: landing them is an in-place slice update
             src = mx.array([pool.scratch * bs], dtype=mx.int32)
@@ -132,12 +131,13 @@ class DecodeOverlap:
                               for j, i in enumerate(idx)}, logits,
                              None if cross is None else rows[cross].state.req_id, kv)
 
-    def take(self, runner: Any, rows: Sequence[Row], decode: list[int], last: list) -> list[int]:
-        """Fill `last` for the decode rows the queued forward computed; returns the rest."""
+    def take(self, runner: Any, rows: Sequence[Row], decode: list[int], last: list) -> tuple[list[int], mx.array | None]:
+        """Fill `last` for the decode rows the queued forward computed; returns the rest, and the
+        queued logits when they are exactly all of `last` in order (one array, no slice per row)."""
         self.flush()
         q, self.queued = self.queued, None
         if q is None:
-            return decode
+            return decode, None
         bs = runner.pool.block_size
         rest = []
         for i in decode:
@@ -152,7 +152,9 @@ class DecodeOverlap:
                 rest.append(i)
         self.hits += len(decode) - len(rest)
         self.misses += len(q.rows) - (len(decode) - len(rest))
-        return rest
+        whole = not rest and len(decode) == len(last) == len(q.rows) \
+            and all(q.rows[r.state.req_id][3] == i for i, r in enumerate(rows))
+        return rest, q.logits if whole else None
 
 
 def _land(pool: KVPool, row: Row, kv: Sequence[mx.array]) -> bool:

@@ -216,8 +216,7 @@ class DraftModelProposer(Proposer):
         for step in range(k_max):
             live = [i for i, (_, _, k) in enumerate(meta) if step < k]
             last: list[Any] = [None] * len(live)
-            dr.forward([rows[i] for i in live], list(range(len(live))), last, {})
-            logits = mx.concatenate(last, axis=0)
+            logits = dr.forward([rows[i] for i in live], list(range(len(live))), last, {})
             greedy = [meta[i][0].sampling_params.greedy for i in live]
             if all(greedy):
                 picks, ps = mx.argmax(logits, axis=-1).tolist(), None

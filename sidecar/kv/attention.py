@@ -14,8 +14,11 @@ per layer into a contiguous `[B, H, K, D]`. (Token-major K/V, `[B, K, H, D]` tra
 strided input that MLX's GQA attention handles several times slower than a contiguous one: that,
 not the gather itself, was most of the long-context cost.)
 
-A `ReadPlan` is made once per layout from the rows' block tables (`plan_reads`), shared by every
-layer using that layout; `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
+A `SlotPlan` says which slots a batch writes (`plan_writes`) or reads (`plan_reads`); it is made
+once per layout from the rows' block tables and shared by every layer using that layout, as is
+the flat `[B, H, K]` index a write's scatter or a read's gather takes (one index array on one axis:
+indexing `[:, :, slots]` instead builds a dozen small index ops around every scatter, per layer
+and K/V). `write` and `read` are what `PagedCache.update_and_fetch` calls. A window or an attention
 chunk reads from its first visible block, so its run check covers only the keys it reads. Slots are
 worked out per block, not per key (`slots`): a step's host work does not grow with the context. A fused
 paged-attention kernel (Metal) would replace `read` + attention behind the same seam; none is
@@ -32,17 +35,25 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class ReadPlan:
-    """How every layer reads this batch's keys: K slots per row, `[B, H, K, D]`."""
+class SlotPlan:
+    """The K slots per row every layer writes or reads, `[B, H, K, D]`."""
 
     length: int  # K
-    start: int | None  # one row, one run: its first slot (read as a slice)
-    slots: mx.array | None  # otherwise: [B, K] slots gathered
+    start: int | None  # one row, one run: its first slot (a slice)
+    slots: mx.array | None  # otherwise: [B, K] slots scattered or gathered
     _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]
 
     @property
     def in_place(self) -> bool:
         return self.start is not None
+
+    def flat_index(self, H: int, S: int) -> mx.array:
+        """[B, H, K]: the rows' slots in a pool seen as `[H * S, D]` (made once per pool shape)."""
+        idx = self._index.get((H, S))
+        if idx is None:
+            heads = (mx.arange(H, dtype=mx.int32) * S)[None, :, None]
+            idx = self._index[H, S] = self.slots[:, None, :] + heads  # type: ignore[index]
+        return idx
 
     def slot_array(self) -> mx.array:
         if self.slots is not None:
@@ -87,46 +98,53 @@ def slots(tables: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int],
 
 
 def plan_reads(tables: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], width: int,
-               block_size: int, sink: int) -> ReadPlan:
+               block_size: int, sink: int) -> SlotPlan:
     """Row b reads positions lo[b] .. lo[b] + width - 1 (from hi[b] on: the padding slot, masked).
     One row whose blocks are one run is read in place."""
+    return _plan(tables, lo, hi, width, block_size, sink)
+
+
+def plan_writes(tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int],
+                block_size: int, sink: int) -> SlotPlan:
+    """Row b writes positions starts[b] .. + lengths[b] - 1 (a shorter row's padding queries: the
+    padding slot). One row whose slots are one run is written as a slice, as mlx-lm's cache."""
+    ctx = [s + n for s, n in zip(starts, lengths)]
+    return _plan(tables, starts, ctx, max(lengths), block_size, sink)
+
+
+def _plan(tables: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], width: int,
+          block_size: int, sink: int) -> SlotPlan:
     if len(tables) == 1 and hi[0] - lo[0] == width:
         start = run_start(tables[0], lo[0], hi[0], block_size)
         if start is not None:
-            return ReadPlan(width, start, None)
-    return ReadPlan(width, None, mx.array(slots(tables, lo, hi, width, block_size, sink)))
+            return SlotPlan(width, start, None)
+    return SlotPlan(width, None, mx.array(slots(tables, lo, hi, width, block_size, sink)))
 
 
-def write(pool: mx.array, slots: mx.array | None, new: mx.array, start: int | None = None) -> mx.array:
-    """Scatter new [B, H, L, D] into the pool [1, H, S, D] at slots [B * L]; returns the pool
-    (updated in place: MLX donates its buffer when nothing else holds it). One row whose slots are
-    one run (`start`: the first) is a slice update, one op, as mlx-lm's cache update (an indexed
-    scatter builds a dozen small index ops around it, per layer and K/V)."""
-    B, H, L, D = new.shape
+def write(pool: mx.array, plan: SlotPlan, new: mx.array) -> mx.array:
+    """Scatter new [B, H, L, D] into the pool [1, H, S, D] at the plan's slots; returns the pool
+    (updated in place: MLX donates its buffer when nothing else holds it)."""
+    _, H, S, D = pool.shape
     if D == 0:  # a keys-only cache's values (minimax_m3's indexer): nothing to store, and MLX
         return pool  # traps (SIGFPE) scattering or gathering zero-width rows
     if new.dtype != pool.dtype:
         new = new.astype(pool.dtype)
-    if start is not None:
-        pool[:, :, start : start + L] = new
-    else:
-        pool[:, :, slots] = new if B == 1 else new.swapaxes(0, 1).reshape(1, H, B * L, D)
-    return pool
+    if plan.start is not None:
+        pool[:, :, plan.start : plan.start + new.shape[2]] = new
+        return pool
+    flat = pool.reshape(H * S, D)
+    flat[plan.flat_index(H, S).reshape(-1)] = new.reshape(-1, D)
+    return flat.reshape(1, H, S, D)
 
 
-def read(pool: mx.array, plan: ReadPlan, dtype: mx.Dtype) -> mx.array:
+def read(pool: mx.array, plan: SlotPlan, dtype: mx.Dtype) -> mx.array:
     """The batch's keys or values, [B, H, K, D] contiguous per head (a view of the pool when in place)."""
     if pool.shape[-1] == 0:  # zero-width values (see write)
         return mx.zeros((1 if plan.slots is None else plan.slots.shape[0], pool.shape[1], plan.length, 0), dtype)
     if plan.start is not None:
         out = pool[:, :, plan.start : plan.start + plan.length]
     else:
-        # One gather whose result is already [B, H, K, D] row-major: index the pool's heads and
-        # slots as one flat axis.
+        # One gather whose result is already [B, H, K, D] row-major.
         _, H, S, D = pool.shape
-        idx = plan._index.get((H, S))
-        if idx is None:  # once per plan for all layers of one shape
-            heads = (mx.arange(H, dtype=mx.int32) * S)[None, :, None]
-            idx = plan._index[H, S] = plan.slots[:, None, :] + heads  # type: ignore[index]
-        out = pool.reshape(H * S, D)[idx]
+        out = pool.reshape(H * S, D)[plan.flat_index(H, S)]
     return out if out.dtype == dtype else out.astype(dtype)

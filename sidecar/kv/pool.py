@@ -121,12 +121,11 @@ class BatchLayout:
     """
 
     offsets: mx.array  # [B] start positions (RoPE offsets)
-    reads: attention.ReadPlan  # [B, K] slots: a slice of the pool (one row, one run) or a gather
+    reads: attention.SlotPlan  # [B, K] slots: a slice of the pool (one row, one run) or a gather
+    writes: attention.SlotPlan  # [B, L] slots (padding queries: the padding slot): a slice or a scatter
     starts: Sequence[int]
     lengths: Sequence[int]
     base: Sequence[int]  # per row, the first position read
-    write_start: int | None = None  # one row writing one run of slots: its first (a slice update)
-    writes: mx.array | None = None  # otherwise: [B * L] the slots written (padding queries: the padding slot)
     # Every row has the same context and length: the read is cut to exactly the context and the
     # mask is None (decode) or "causal" (prefill), which lets SDPA take its unmasked/causal path.
     uniform: bool = False
@@ -148,12 +147,9 @@ class BatchLayout:
         else:
             base = [0] * len(starts)
         K = max(c - b for c, b in zip(ctx, base))
-        write_start = attention.run_start(tables[0], starts[0], ctx[0], bs) if len(starts) == 1 else None
         return cls(
             offsets=mx.array(starts, dtype=mx.int32), reads=attention.plan_reads(tables, base, ctx, K, bs, sink),
-            starts=starts, lengths=lengths, base=base, write_start=write_start,
-            writes=None if write_start is not None else
-            mx.array(attention.slots(tables, starts, ctx, L, bs, sink).reshape(-1)),
+            writes=attention.plan_writes(tables, starts, lengths, bs, sink), starts=starts, lengths=lengths, base=base,
             uniform=all(c == ctx[0] for c in ctx) and all(n == L for n in lengths) and not any(base),
             scalar_offset=starts[0] if scalar and len(starts) == 1 else None,
         )
@@ -162,13 +158,6 @@ class BatchLayout:
     def start_position(self) -> int:
         """The first position read (mlx-lm ChunkedKVCache.start_position)."""
         return self.base[0]
-
-    @property
-    def write_slots(self) -> mx.array:
-        """[B * L] the slots written (materialised for a one-run write)."""
-        if self.writes is not None:
-            return self.writes
-        return mx.arange(self.write_start, self.write_start + self.lengths[0], dtype=mx.int32)  # type: ignore[operator]
 
     @property
     def read_slots(self) -> mx.array:
@@ -231,8 +220,8 @@ class PagedCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         pool, i, lay = self.pool, self.layer, self.layout
-        pool.keys[i] = attention.write(pool.keys[i], lay.writes, keys, lay.write_start)  # type: ignore[arg-type]
-        pool.values[i] = attention.write(pool.values[i], lay.writes, values, lay.write_start)  # type: ignore[arg-type]
+        pool.keys[i] = attention.write(pool.keys[i], lay.writes, keys)  # type: ignore[arg-type]
+        pool.values[i] = attention.write(pool.values[i], lay.writes, values)  # type: ignore[arg-type]
         k = attention.read(pool.keys[i], lay.reads, keys.dtype)  # type: ignore[arg-type]
         v = attention.read(pool.values[i], lay.reads, values.dtype)  # type: ignore[arg-type]
         self.keys, self.values = k, v  # read (and reassigned) by deepseek_v32's indexer; the pool is the truth

@@ -89,7 +89,7 @@ class QuantizedPagedCache(PagedCache):
         out = []
         for store, new in ((pool.keys, keys), (pool.values, values)):
             q = mx.quantize(new, group_size=GROUP_SIZE, bits=self.bits)
-            store[i] = [attention.write(a, lay.writes, x, lay.write_start) for a, x in zip(store[i], q)]
+            store[i] = [attention.write(a, lay.writes, x) for a, x in zip(store[i], q)]
             out.append(tuple(attention.read(a, lay.reads, a.dtype) for a in store[i]))
         self.keys, self.values = out
         return out[0], out[1]

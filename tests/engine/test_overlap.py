@@ -124,10 +124,16 @@ def test_only_an_exact_match_takes_the_queued_logits(make_worker) -> None:
         ov = overlap.DecodeOverlap()
         ov.queued = overlap.Queued({"a": (3, 9, overlap.tables(row), 1)}, logits)
         last: list = [None]
-        rest = ov.take(w.runner, [r], [0], last)
+        rest, whole = ov.take(w.runner, [r], [0], last)
         assert (rest, ov.hits, ov.misses) == (([], 1, 0) if hit else ([0], 0, 1)), r
         assert (last[0] is not None and last[0].tolist() == logits[1:2].tolist()) if hit else last[0] is None
+        assert whole is None  # the row is the queued forward's second: its logits are not all of them
         assert ov.queued is None  # taken once: a later step never sees it
+    # Every row taken, each at its own index: the queued logits are the step's, as one array.
+    ov = overlap.DecodeOverlap()
+    ov.queued = overlap.Queued({"a": (3, 9, overlap.tables(row), 0)}, logits[1:2])
+    rest, whole = ov.take(w.runner, [row], [0], [None])
+    assert rest == [] and whole is not None and whole.tolist() == logits[1:2].tolist()
 
 
 def test_a_finished_row_and_a_new_pool_drop_the_queued_forward(make_worker, oracle_model) -> None:

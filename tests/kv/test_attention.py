@@ -1,4 +1,4 @@
-"""The paged cache's read path: in place for one row whose blocks are a run, a gather otherwise;
+"""The paged cache's write and read paths: in place for one row whose blocks are a run, a gather otherwise;
 both read exactly the row's slots, and a stream decodes mlx-lm's tokens on either path."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def naive(pool: np.ndarray, table: list[int], length: int) -> np.ndarray:
     return pool[0][:, slots]
 
 
-def plan(tables: list[list[int]], ctx: list[int], length: int, sink: int = 64 * BS) -> attention.ReadPlan:
+def plan(tables: list[list[int]], ctx: list[int], length: int, sink: int = 64 * BS) -> attention.SlotPlan:
     """The plan for rows reading `length` keys (past a row's context: the padding slot), whose
     gather slots are the ones worked out slot by slot here."""
     p = attention.plan_reads(tables, [0] * len(tables), ctx, length, BS, sink)
@@ -85,10 +85,30 @@ def test_write_then_read_round_trips() -> None:
     table = [[2, 3]]
     lay = BatchLayout.build([2], [3], table, BS, 16 * BS)  # positions 2..4: slots 10, 11, 12
     assert lay.reads.in_place and lay.reads.start == 2 * BS
-    pool = attention.write(pool, lay.write_slots, new)
+    assert lay.writes.in_place and lay.writes.start == 2 * BS + 2
+    pool = attention.write(pool, lay.writes, new)
     got = attention.read(pool, lay.reads, mx.float32)
     np.testing.assert_array_equal(np.array(got[0, :, 2:5]), np.array(new[0]))
     assert float(mx.abs(got[0, :, :2]).sum()) == 0.0  # nothing else written
+
+
+def test_scattered_writes_land_in_each_rows_slots() -> None:
+    """Rows of different lengths, scattered blocks: each row's new K/V land in its own slots, head
+    by head; a shorter row's padding queries land only in the padding slot."""
+    sink = 16 * BS
+    pool = mx.zeros((1, 3, sink + 1, 8))
+    new = mx.random.normal((2, 3, 3, 8), key=mx.random.key(4))
+    tables, starts, lengths = [[5, 2], [9, 1, 7]], [2, 7], [3, 2]
+    lay = BatchLayout.build(starts, lengths, tables, BS, sink)
+    assert not lay.writes.in_place
+    got = np.array(attention.write(pool, lay.writes, new))
+    want = np.zeros_like(got)
+    for b, (t, s, n) in enumerate(zip(tables, starts, lengths)):
+        for i in range(n):
+            p = s + i
+            want[0, :, t[p // BS] * BS + p % BS] = np.array(new[b, :, i])
+    np.testing.assert_array_equal(got[0, :, :sink], want[0, :, :sink])
+    np.testing.assert_array_equal(got[0, :, sink], np.array(new[1, :, 2]))  # row 1's padding query
 
 
 @pytest.mark.parametrize("layout", ["run", "scattered"])
@@ -132,9 +152,9 @@ def test_zero_width_values_are_neither_written_nor_gathered(start):
     """A keys-only cache (minimax_m3's block indexer) stores values of width 0: nothing to write,
     and the read is an empty [B, H, K, 0] (MLX traps on a zero-width scatter or gather)."""
     pool = mx.zeros((1, 1, 8, 0))
-    slots = mx.array([3, 4], dtype=mx.int32)
-    assert attention.write(pool, slots, mx.zeros((1, 1, 2, 0)), start) is pool
-    p = attention.ReadPlan(5, 0, None) if start is not None else attention.ReadPlan(5, None, mx.zeros((2, 5), mx.int32))
+    w = attention.SlotPlan(2, start, None if start is not None else mx.array([[3, 4]], dtype=mx.int32))
+    assert attention.write(pool, w, mx.zeros((1, 1, 2, 0))) is pool
+    p = attention.SlotPlan(5, 0, None) if start is not None else attention.SlotPlan(5, None, mx.zeros((2, 5), mx.int32))
     out = attention.read(pool, p, mx.float32)
     mx.eval(out)
     assert out.shape == ((1 if start is not None else 2), 1, 5, 0)
