@@ -30,7 +30,7 @@ from sidecar.engine.planner import apply, plan_step
 from sidecar.engine.state import RequestState, Row, StepPlan
 from sidecar.engine.outputs import StepStats, build_output
 from sidecar.engine.sampler import SampleResult, Sampler, SamplingRow, greedy_tokens, plain_greedy
-from sidecar.engine.selection import forward_at
+from sidecar.engine.selection import forward_at, selected
 from sidecar.engine.spec_decode import SpecCounters, Verified, verify
 
 
@@ -169,7 +169,7 @@ class ModelRunner:
                 self._pending = _Pending(plan.rows, logits, prompt_lp, restore, t0, tier)
                 self.last_stats = StepStats()
                 return None
-            result = self._finish(plan.rows, logits, prompt_lp, live=True)
+            result = self._finish(plan.rows, logits, prompt_lp, live=True, more=out.num_decode_steps > 1)
             if out.num_decode_steps > 1:
                 result = multistep.run(self, plan.rows, result, out.num_decode_steps)
         except BaseException:
@@ -212,9 +212,9 @@ class ModelRunner:
             result.invalid_block_ids = p.tier.invalid
         return result
 
-    def decode_rows(self, rows: list[Row]) -> ModelRunnerOutput:
-        """Another step of the scheduler's call on `rows` (multistep.py): as live as the call's first."""
-        return self._finish(rows, *self._logits(rows), live=True)
+    def decode_rows(self, rows: list[Row], more: bool = False) -> ModelRunnerOutput:
+        """Another step of the call on `rows` (multistep.py), as live as its first; `more`: one follows."""
+        return self._finish(rows, *self._logits(rows), live=True, more=more)
 
     def run_rows(self, rows: list[Row]) -> ModelRunnerOutput:
         """Forward and sample rows outside the scheduler's steps (the memory profile): nothing
@@ -280,9 +280,10 @@ class ModelRunner:
         return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
 
     def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, grammar: GrammarMask | None = None,
-                live: bool = False) -> ModelRunnerOutput:
+                live: bool = False, more: bool = False) -> ModelRunnerOutput:
         """Sample the step's logits and build its output; a `live` step (the scheduler's) also
-        hands its tokens to the proposer and queues the likely next decode."""
+        hands its tokens to the proposer and queues the likely next decode: after the reply, or,
+        when the call decodes on (`more`), built before the sync and run right after it."""
         if logits is None:
             self.last_stats = StepStats()
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -296,13 +297,15 @@ class ModelRunner:
         elif grammar is None and all(plain_greedy(r.state.sampling_params, len(r.state.output_token_ids))
                                      for r in rows):  # argmax is the whole sampler
             tokens, nans = greedy_tokens(logits), mx.isnan(logits).sum(axis=-1)
+            if more and self.decode_ahead and (self.proposer, self._tier_step, self.batch_guard) == (None,) * 3:
+                self._built = None  # (nothing to settle: it runs after the sync, overlap.py)
+                self.overlap.guarded(self.overlap.prepare, self, rows, tokens, [r.end for r in rows], (), 1)
             mx.eval(tokens, nans, pool)  # the step's one sync
             res, pool = SampleResult(tokens.tolist(), None, None, None, nans.tolist()), []
         else:
             res = self.sampler.sample(logits, [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids,
                                                            r.state.output_token_ids) for r in rows])
-        # Computed with the logits already; evaluated, no task of the step holds a pool buffer.
-        if pool:
+        if pool:  # computed with the logits already; evaluated, no task of the step holds a pool buffer
             mx.eval(pool)
         self._built = None
         if live and self._tier_step is not None:  # before the next decode is queued on the pool
@@ -314,7 +317,9 @@ class ModelRunner:
             last_tok = res.token_ids if verified is None else [t[-1] if t else 0 for t in verified.token_ids]
             at = [r.end - r.num_draft + (len(t) - 1 if r.num_draft else 0)
                   for r, t in zip(rows, verified.token_ids if verified else [[]] * len(rows))]
-            if self.decode_ahead:  # queued once the reply has left (overlap.py)
+            if self.overlap.prepared is not None:  # the call decodes on: no reply in between
+                self.overlap.dispatch(self, last_tok)
+            elif self.decode_ahead:  # queued once the reply has left (overlap.py)
                 self.overlap.defer(self, rows, last_tok, at, drafted)
         out, self.last_stats = build_output(rows, res, verified, prompt_lp,
                                             pooling.finish(rows, self._pool_parts, self.model))
@@ -324,17 +329,18 @@ class ModelRunner:
         return out
 
     def forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
-                stores: list | None = None) -> mx.array:
+                stores: list | None = None, ids: mx.array | None = None) -> mx.array:
         """One padded batch of `rows` through the paged cache, lazy: fills `last[where[b]]` with row
         b's logits [1 + num_draft, V] (its last position, and its drafts') and `prompt_lp[where[b]]`
         with its prompt-logprob span (logits, targets). Recurrent states are stored now, or, with
-        `stores`, by the callable appended to it (once every batch of the step is built). Returns
-        the rows' `last` logits as one array."""
+        `stores`, by the callable appended to it (once every batch of the step is built). `ids`:
+        the rows' token ids [B, L] when not their `token_ids` (lazy: a step's sampled tokens).
+        Returns the rows' `last` logits as one array."""
         self._settle()
         if self.batch_guard is None:
-            return self._batch(rows, where, last, prompt_lp, stores)
+            return self._batch(rows, where, last, prompt_lp, stores, ids)
         with self.batch_guard():
-            out = self._batch(rows, where, last, prompt_lp, stores)
+            out = self._batch(rows, where, last, prompt_lp, stores, ids)
             mx.eval(out)
         return out
 
@@ -348,42 +354,28 @@ class ModelRunner:
         self._built = []
 
     def _batch(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
-               stores: list | None) -> mx.array:
+               stores: list | None, ids: mx.array | None) -> mx.array:
         pool = self.pool
         assert pool is not None
         lengths = [len(r.token_ids) for r in rows]
         L = max(lengths)
-        flat: list[int] = []  # [B, L] token ids, each row padded with 0s
-        for r in rows:
-            flat += r.token_ids
-            if len(r.token_ids) < L:
-                flat += [0] * (L - len(r.token_ids))
-        # Flat positions whose logits we need: each row's last, plus its prompt-logprob positions.
-        select: list[int] = []
-        last_at: list[int] = []
-        spans: list[tuple[int, int, int, list[int]]] = []  # (row, first index in select, count, targets)
-        for b, r in enumerate(rows):
-            k = r.state.sampling_params.prompt_logprobs
-            P = len(r.state.prompt_token_ids)
-            hi = min(r.end, P - 1)
-            if k is not None and hi > r.start:
-                spans.append((b, len(select), hi - r.start, r.state.prompt_token_ids[r.start + 1 : hi + 1]))
-                select.extend(b * L + i for i in range(hi - r.start))
-            last_at.append(len(select))
-            select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
-        # Every position selected (a batch of decodes): no gather.
-        index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
+        sel = selected(rows, lengths)
         keep, pool_spans = pooling.positions(rows, lengths, L)
         caches, store_states = build_caches(self.caches, pool, self.group_of, rows, lengths)
-        ids = mx.array(flat, dtype=mx.int32).reshape(len(rows), L)
+        if ids is None:  # [B, L] token ids, each row padded with 0s
+            flat: list[int] = []
+            for r, n in zip(rows, lengths):
+                flat += r.token_ids
+                flat += [0] * (L - n)
+            ids = mx.array(flat, dtype=mx.int32).reshape(len(rows), L)
         if self.mm is not None:
             self.mm.bind(rows, ids)
         if self.lora.adapters:
             self.lora.set_rows([r.state.lora_id for r in rows])
         try:
-            logits, hidden = forward_at(self.model, ids, caches, index,
+            logits, hidden = forward_at(self.model, ids, caches, sel.index,
                                         mx.array(keep, dtype=mx.int32) if keep else None)
-            read = spans or any(r.sample for r in rows)  # (a head's logits are never read: left uncomputed)
+            read = sel.spans or any(r.sample for r in rows)  # (a head's logits are never read: left uncomputed)
             self._built += [x for x in (logits if read else None, hidden) if x is not None]
             pooling.collect(hidden, pool_spans, where, self._pool_parts)
             if stores is not None:
@@ -395,10 +387,10 @@ class ModelRunner:
         # Kept in the model's dtype: greedy ranks them as mlx-lm does (sampler.greedy_tokens); the
         # sampler and logprobs work in float32 from them.
         for b, w in enumerate(where):
-            last[w] = logits[last_at[b] : last_at[b] + 1 + rows[b].num_draft]
-        for b, first, count, targets in spans:
+            last[w] = logits[sel.last_at[b] : sel.last_at[b] + 1 + rows[b].num_draft]
+        for b, first, count, targets in sel.spans:
             prompt_lp[where[b]] = (logits[first : first + count], targets)
-        return logits if not spans else mx.concatenate([last[w] for w in where], axis=0)
+        return logits if not sel.spans else mx.concatenate([last[w] for w in where], axis=0)
 
     def _propose(self, rows: list[Row], res: SampleResult, verified: Verified | None) -> set[str]:
         """Hand this step's tokens to the proposer (drafts for the next step); returns the ids it drafted for."""

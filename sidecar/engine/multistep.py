@@ -69,7 +69,7 @@ def run(runner: Any, rows: list[Row], first: ModelRunnerOutput, n: int) -> Model
     """Decode on after the scheduler's step (`rows`, its output `first`), up to `n` tokens a row."""
     outs, stats = [first], [runner.last_stats]
     while len(outs) < n and (rows := next_rows(runner, rows, outs[-1], first.logprobs is not None)):
-        outs.append(runner.decode_rows(rows))
+        outs.append(runner.decode_rows(rows, more=len(outs) + 1 < n))
         stats.append(runner.last_stats)
     total = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(StepStats) if f.name != "first_token_latencies"}
     runner.last_stats = StepStats(**{**total, "num_rows": stats[0].num_rows,  # (the call's requests)

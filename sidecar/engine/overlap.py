@@ -8,6 +8,10 @@ The runner calls it at two points:
   reply over), so it computes while the reply travels and the scheduler plans, and the reply does
   not wait for the forward's graph to be built and dispatched. Anything that runs before the next
   step flushes it first; anything that changes the blocks under it clears it.
+- `prepare` then `dispatch`, inside a call that decodes several steps (multistep.py), where no
+  reply comes between two steps: the next decode's graph is built on the step's sampled tokens
+  while they are still lazy, so it is built while the step computes (as mlx-lm's generate loop
+  builds its next step), and runs as soon as the step's sync returns.
 - `take`, when the next step arrives: its decode rows that match the queued forward exactly (same
   request, position, token and blocks) use its logits; the runner computes the rest.
 
@@ -17,9 +21,9 @@ exactly this token and which no other request reads before writing it itself (a 
 never prefix-cached). Recurrent state it advanced could not be undone: the runner keeps the
 overlap off for such models.
 
-Why only once the step's tokens are known: a task of the step still holding a pool buffer would
+Why it runs only once the step is computed: a task of the step still holding a pool buffer would
 keep MLX from donating that buffer to the forward's K/V write, which would then copy the layer's
-whole pool.
+whole pool. Building the graph earlier is safe: MLX decides donation when a graph runs.
 
 A row whose next token opens a new block (it "crosses"): the scheduler allocates that block with
 the step that decodes the token, so its id is not known yet. The row's forward reads and writes
@@ -82,10 +86,11 @@ class DecodeOverlap:
     def __init__(self) -> None:
         self.queued: Queued | None = None
         self.deferred: tuple | None = None  # `queue`'s arguments, until `flush`
+        self.prepared: tuple | None = None  # a forward built by `prepare`, until `dispatch`
         self.hits = self.misses = 0  # decode rows taken from a queued forward / queued for nothing
 
     def clear(self) -> None:
-        self.queued = self.deferred = None
+        self.queued = self.deferred = self.prepared = None
 
     def defer(self, *args: Any) -> None:
         """`queue(*args)` at the next `flush`."""
@@ -93,10 +98,12 @@ class DecodeOverlap:
 
     def flush(self) -> None:
         args, self.deferred = self.deferred, None
-        if args is None:
-            return
+        if args is not None:
+            self.guarded(self.queue, *args)
+
+    def guarded(self, fn: Any, *args: Any) -> None:
         try:
-            self.queue(*args)
+            fn(*args)
         except Exception:  # noqa: BLE001 - a guess that failed: the next step computes its rows itself
             self.clear()
             log.warning("the decode-ahead forward failed; the next step computes its rows", exc_info=True)
@@ -106,27 +113,45 @@ class DecodeOverlap:
         """After a step whose `tokens` are known (and computed, with every pool write of the step):
         queue the decode of each sampled row's token at `at` (its next position: r.end, or past the
         drafts it accepted), unless it got new drafts (`skip`: its next step verifies them)."""
-        self.queued = None
+        self.prepare(runner, rows, tokens, at, skip)
+        self.dispatch(runner, tokens)
+
+    def prepare(self, runner: Any, rows: Sequence[Row], tokens: Sequence[int] | mx.array, at: Sequence[int],
+                skip: set[str] | frozenset[str] = frozenset(), sampled: int = 0) -> None:
+        """Build that forward's graph, not yet run. `tokens` may be the step's sampled ids still
+        lazy, not yet among the rows' outputs (`sampled` = 1): the graph is then built while the
+        step computes, as mlx-lm builds its next step's, and `dispatch` runs it once the step is done."""
+        self.queued = self.prepared = None
         pool: KVPool = runner.pool
         bs = pool.block_size
         idx = [i for i, r in enumerate(rows) if r.sample and r.state.req_id not in skip
                and at[i] <= len(r.block_ids) * bs and at[i] < runner.max_model_len
-               and len(r.state.output_token_ids) + at[i] - r.end + r.num_draft + 1
+               and len(r.state.output_token_ids) + sampled + at[i] - r.end + r.num_draft + 1
                < (r.state.sampling_params.max_tokens or 1 << 62)]
         inside = [i for i in idx if at[i] < len(rows[i].block_ids) * bs]
         cross = next((i for i in idx if i not in inside), None) if crossing_supported(runner) else None
         idx = sorted(inside + ([] if cross is None else [cross]))
         if not idx or len(idx) * (max(at[i] for i in idx) + 1) > runner.read_limit():
             return  # (one batch only: past the read limit the next step splits its rows itself)
-        nxt = [Row(rows[i].state, at[i], [int(tokens[i])], [*rows[i].block_ids, pool.scratch] if i == cross
-                   else rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids) for i in idx]
-        last: list = [None] * len(nxt)
-        logits = runner.forward(nxt, list(range(len(nxt))), last, {})
+        lazy = isinstance(tokens, mx.array)
+        ids = (tokens if len(idx) == len(rows) else tokens[mx.array(idx)]).reshape(-1, 1) if lazy else None
+        nxt = [Row(rows[i].state, at[i], [0 if lazy else int(tokens[i])], [*rows[i].block_ids, pool.scratch]
+                   if i == cross else rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids) for i in idx]
+        logits = runner.forward(nxt, list(range(len(nxt))), [None] * len(nxt), {}, ids=ids)
         kv: list[mx.array] = []
         if cross is not None:  # arrays of their own: landing them is an in-place slice update
             src = mx.array([pool.scratch * bs], dtype=mx.int32)
             kv = [a[:, :, src] for leaf in pool.keys + pool.values for a in _parts(leaf)]
-        mx.async_eval(logits, *pool.arrays(), *kv)
+        self.prepared = (rows, at, idx, cross, logits, kv)
+
+    def dispatch(self, runner: Any, tokens: Sequence[int]) -> None:
+        """Run the prepared forward, once the step it follows is computed and nothing holds that
+        step's pool arrays (else MLX copies each layer's whole pool instead of writing it in place)."""
+        p, self.prepared = self.prepared, None
+        if p is None:
+            return
+        rows, at, idx, cross, logits, kv = p
+        mx.async_eval(logits, *runner.pool.arrays(), *kv)
         self.queued = Queued({rows[i].state.req_id: (at[i], int(tokens[i]), tables(rows[i]), j)
                               for j, i in enumerate(idx)}, logits,
                              None if cross is None else rows[cross].state.req_id, kv)

@@ -12,7 +12,8 @@ selected after: the same logits, by one generic path.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,3 +69,30 @@ def forward_at(model: nn.Module, tokens: mx.array, cache: list, index: mx.array 
 def logits_at(model: nn.Module, tokens: mx.array, cache: list, index: mx.array | None) -> mx.array:
     """The model's logits [len(index), V] at the flat positions `index` of tokens [B, L] (None: all)."""
     return forward_at(model, tokens, cache, index)[0]
+
+
+@dataclass
+class Selected:
+    """The flat positions of a padded batch [B, L] whose logits a step needs."""
+
+    index: mx.array | None  # None: every position (a batch of decodes), no gather
+    last_at: list[int]  # per row, where its last position's logits (then its drafts') start
+    spans: list[tuple[int, int, int, list[int]]]  # prompt logprobs: (row, first, count, target ids)
+
+
+def selected(rows: Sequence[Any], lengths: Sequence[int]) -> Selected:
+    """Each row's last position and its drafts', after its prompt-logprob positions if it asks for them."""
+    L = max(lengths)
+    select: list[int] = []
+    last_at: list[int] = []
+    spans: list[tuple[int, int, int, list[int]]] = []
+    for b, r in enumerate(rows):
+        P = len(r.state.prompt_token_ids)
+        hi = min(r.end, P - 1)
+        if r.state.sampling_params.prompt_logprobs is not None and hi > r.start:
+            spans.append((b, len(select), hi - r.start, r.state.prompt_token_ids[r.start + 1 : hi + 1]))
+            select.extend(b * L + i for i in range(hi - r.start))
+        last_at.append(len(select))
+        select.extend(b * L + lengths[b] - 1 - j for j in range(r.num_draft, -1, -1))
+    index = None if len(select) == len(rows) * L else mx.array(select, dtype=mx.int32)
+    return Selected(index, last_at, spans)

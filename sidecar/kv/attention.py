@@ -41,11 +41,18 @@ class SlotPlan:
     length: int  # K
     start: int | None  # one row, one run: its first slot (a slice)
     slots: mx.array | None  # otherwise: [B, K] slots scattered or gathered
-    _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]
+    _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]; "start"
 
     @property
     def in_place(self) -> bool:
         return self.start is not None
+
+    def start_index(self) -> mx.array:
+        """[1] the first slot of a run (made once per plan)."""
+        idx = self._index.get("start")
+        if idx is None:
+            idx = self._index["start"] = mx.array([self.start], dtype=mx.int32)
+        return idx
 
     def flat_index(self, H: int, S: int) -> mx.array:
         """[B, H, K]: the rows' slots in a pool seen as `[H * S, D]` (made once per pool shape)."""
@@ -122,16 +129,16 @@ def _plan(tables: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int],
 
 
 def write(pool: mx.array, plan: SlotPlan, new: mx.array) -> mx.array:
-    """Scatter new [B, H, L, D] into the pool [1, H, S, D] at the plan's slots; returns the pool
-    (updated in place: MLX donates its buffer when nothing else holds it)."""
+    """Scatter new [B, H, L, D] into the pool [1, H, S, D] at the plan's slots; returns the new
+    pool array (its buffer the old one's: MLX donates it when nothing else holds it). The `pool`
+    object itself is left as it was, so a caller holding the step's arrays still holds the step's."""
     _, H, S, D = pool.shape
     if D == 0:  # a keys-only cache's values (minimax_m3's indexer): nothing to store, and MLX
         return pool  # traps (SIGFPE) scattering or gathering zero-width rows
     if new.dtype != pool.dtype:
         new = new.astype(pool.dtype)
     if plan.start is not None:
-        pool[:, :, plan.start : plan.start + new.shape[2]] = new
-        return pool
+        return mx.slice_update(pool, new, plan.start_index(), axes=(2,))
     flat = pool.reshape(H * S, D)
     flat[plan.flat_index(H, S).reshape(-1)] = new.reshape(-1, D)
     return flat.reshape(1, H, S, D)

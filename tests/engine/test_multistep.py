@@ -150,11 +150,11 @@ def test_a_failure_inside_the_call_rolls_the_whole_call_back(make_worker, oracle
     before = {rid: (s.num_computed_tokens, list(s.output_token_ids)) for rid, s in w.runner.requests.items()}
     real, calls = w.runner.decode_rows, []
 
-    def third_fails(rows):
+    def third_fails(rows, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return real(rows)
+        return real(rows, **kw)
 
     monkeypatch.setattr(w.runner, "decode_rows", third_fails)
     so = d.build(chunk=16)
@@ -165,3 +165,35 @@ def test_a_failure_inside_the_call_rolls_the_whole_call_back(make_worker, oracle
     monkeypatch.setattr(w.runner, "decode_rows", real)
     d.commit(so, w.execute_model(so).to_wire())  # the same call now succeeds
     assert d.reqs["a"].out == mlx_lm_greedy(oracle_model("builtin:tiny"), PROMPTS[0], 7)[0]
+
+
+def test_each_further_step_is_built_before_the_sync_and_taken(make_worker, oracle_model, monkeypatch) -> None:
+    """Inside a call, the next decode is built on the step's still-lazy tokens (before the step's
+    sync) and then taken by the next step: every token after a call's first comes from such a
+    forward, and the tokens stay mlx-lm's. The last step of a call builds nothing ahead (its
+    decode-ahead waits for the reply), nor does a one-step call (negative control)."""
+    import mlx.core as mx
+
+    from sidecar.engine import overlap
+
+    w = make_worker()
+    lazy: list[bool] = []
+    real = overlap.DecodeOverlap.prepare
+
+    def spy(self, runner, rows, tokens, *args):
+        lazy.append(isinstance(tokens, mx.array))
+        return real(self, runner, rows, tokens, *args)
+
+    monkeypatch.setattr(overlap.DecodeOverlap, "prepare", spy)
+    d = Driver(w.execute_model, w.config.block_size, w.runner.num_blocks)
+    d.add("a", PROMPTS[0])
+    d.step(chunk=64)
+    d.step()
+    lazy.clear()
+    hits = w.runner.overlap.hits
+    d.step(steps=6)
+    assert lazy.count(True) == 5  # steps 1..5 of the call build the next; step 6 does not
+    assert w.runner.overlap.hits - hits == 6  # the call's first step takes the decode-ahead, the rest these
+    d.step(steps=1)
+    assert lazy.count(True) == 5
+    assert d.reqs["a"].out == mlx_lm_greedy(oracle_model("builtin:tiny"), PROMPTS[0], 9)[0]

@@ -158,3 +158,16 @@ def test_zero_width_values_are_neither_written_nor_gathered(start):
     out = attention.read(pool, p, mx.float32)
     mx.eval(out)
     assert out.shape == ((1 if start is not None else 2), 1, 5, 0)
+
+
+@pytest.mark.parametrize("tables,starts", [([[2, 3]], [2]), ([[5, 2], [9, 1]], [2, 3])])
+def test_a_write_leaves_the_array_it_was_given_as_it_was(tables, starts) -> None:
+    """A caller holding a step's pool arrays (to evaluate them) still holds that step's after the
+    next forward is built on them: the write returns a new array, in place or scattered."""
+    pool = mx.zeros((1, 2, 16 * BS + 1, 8))
+    mx.eval(pool)
+    held = pool
+    lay = BatchLayout.build(starts, [1] * len(starts), tables, BS, 16 * BS)
+    out = attention.write(pool, lay.writes, mx.ones((len(starts), 2, 1, 8)))
+    assert out is not held and float(mx.abs(held).sum()) == 0.0
+    assert float(out.sum()) == len(starts) * 2 * 8  # (negative control: the write did land)
