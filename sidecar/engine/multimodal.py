@@ -147,22 +147,20 @@ class Multimodal:
             self.stats.runs += len(outs)
             self.cache.update((f.identifier, o) for f, o in zip(plan.encode, outs))
 
-    def _decodes(self, row: Row) -> bool:
-        """The row computes one position past its prompt's positions and images."""
+    def _decode_position(self, row: Row) -> int | None:
+        """The row's position when it starts past its prompt's positions and images, else None."""
         req = self.requests.get(row.state.req_id)
-        return req is None or row.start >= req.end and (req.positions is None or row.start >= req.positions.shape[1])
-
-    def _delta(self, row: Row) -> int:
-        req = self.requests.get(row.state.req_id)
-        return req.delta if req is not None and req.positions is not None else 0
+        if req is None or req.positions is None:
+            return row.start if req is None or row.start >= req.end else None
+        return row.start + req.delta if row.start >= max(req.end, req.positions.shape[1]) else None
 
     def bind(self, rows: list[Row], ids: np.ndarray) -> None:
         """Set the next forward's input embeddings and positions for the padded batch `ids` [B, L]."""
         m = self.model
         B, L = ids.shape
-        if L == 1 and all(self._decodes(r) for r in rows):  # every decode step: index + delta, no images
-            pos = [[[r.start + self._delta(r)] for r in rows]] * 3
-            m.bind(None, mx.array(pos, dtype=mx.int32) if m.mrope else None)
+        at = [self._decode_position(r) for r in rows] if L == 1 else [None]
+        if None not in at:  # every decode step: index + delta, no images
+            m.bind(None, mx.array([[[p] for p in at]] * 3, dtype=mx.int32) if m.mrope else None)
             return
         pos = np.zeros((3, B, L), np.int32)
         dst: list[np.ndarray] = []

@@ -28,6 +28,7 @@ shipped (no Metal machine here to verify one against this path).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import mlx.core as mx
@@ -41,18 +42,16 @@ class SlotPlan:
     length: int  # K
     start: int | None  # one row, one run: its first slot (a slice)
     slots: mx.array | None  # otherwise: [B, K] slots scattered or gathered
-    _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]; "start"
+    _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]
 
     @property
     def in_place(self) -> bool:
         return self.start is not None
 
+    @cached_property
     def start_index(self) -> mx.array:
         """[1] the first slot of a run (made once per plan)."""
-        idx = self._index.get("start")
-        if idx is None:
-            idx = self._index["start"] = mx.array([self.start], dtype=mx.int32)
-        return idx
+        return mx.array([self.start], dtype=mx.int32)
 
     def flat_index(self, H: int, S: int) -> mx.array:
         """[B, H, K]: the rows' slots in a pool seen as `[H * S, D]` (made once per pool shape)."""
@@ -138,9 +137,9 @@ def write(pool: mx.array, plan: SlotPlan, new: mx.array) -> mx.array:
     if new.dtype != pool.dtype:
         new = new.astype(pool.dtype)
     if plan.start is not None:
-        return mx.slice_update(pool, new, plan.start_index(), axes=(2,))
+        return mx.slice_update(pool, new, plan.start_index, axes=(2,))
     flat = pool.reshape(H * S, D)
-    flat[plan.flat_index(H, S).reshape(-1)] = new.reshape(-1, D)
+    flat[plan.flat_index(H, S)] = new  # ([B, H, L] rows of D: exactly `new`'s shape)
     return flat.reshape(1, H, S, D)
 
 
