@@ -44,8 +44,7 @@ async def drain(sc: Sidecar) -> None:
         await asyncio.wait_for(thread.call(sc.worker.shutdown, budget), budget)
         slog.info("shutdown: worker freed, MLX active memory %d bytes", mx.get_active_memory())
     except (asyncio.TimeoutError, Unavailable):
-        sc.clean_shutdown = False
-        slog.error("shutdown: a call was still running after the %gs shutdown timeout", sc.config.shutdown_timeout)
+        sc.cut_off()
     except Exception:  # noqa: BLE001 - still stop the thread
         sc.clean_shutdown = False
         slog.exception("shutdown: freeing the worker failed")

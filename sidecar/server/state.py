@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ from sidecar.server.sequencer import StepSequencer
 from sidecar.server.startup import Startup
 from sidecar.wire.steps import StepLedger
 from sidecar.worker.mlx_worker import MLXWorker
+
+slog = logging.getLogger("sidecar.server")
 
 
 @dataclass
@@ -61,3 +64,10 @@ class Sidecar:
         if not self._dropped_queued and self.thread is not None:
             self._dropped_queued = True
             self.thread.cancel_queued("the worker is shutting down")
+
+    def cut_off(self) -> None:
+        """The shutdown timeout ran out with a call still running: its outcome is unknown, so the
+        exit is unclean (status 1), whether or not the call ends before the process does."""
+        if self.clean_shutdown:
+            self.clean_shutdown = False
+            slog.error("shutdown: a call was still running after the %gs shutdown timeout", self.config.shutdown_timeout)
