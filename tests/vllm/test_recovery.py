@@ -1,5 +1,6 @@
 """A sidecar restart under vLLM's OpenAI server loses no request (sidecar/vllm/recovery.py): real
-processes, `kill -9` of the sidecar mid-decode and a new one started on the same port, as a
+processes, `kill -9` (a crash) or SIGTERM (a service manager's restart: the running step finishes,
+queued ones get 503) of the sidecar mid-decode and a new one started on the same port, as a
 service manager would. Each server case runs with vLLM's async scheduling (two steps in flight:
 the unread ones are sent again to the new instance) and without."""
 
@@ -49,8 +50,9 @@ def wait_for_steps(url: str, more_than: float, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def test_streams_survive_a_kill_9_and_a_prefix_hit_after_it_is_right(home: str, vllm_model_dir, tmp_path,
-                                                                       scheduling: str) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_streams_survive_a_restart_and_a_prefix_hit_after_it_is_right(home: str, vllm_model_dir, tmp_path,
+                                                                      scheduling: str, sig: signal.Signals) -> None:
     port = free_port()
     flags = ("--model", MODEL, "--port", str(port))
     greedy = prompts(1, 8, 40)
@@ -77,8 +79,9 @@ def test_streams_survive_a_kill_9_and_a_prefix_hit_after_it_is_right(home: str, 
             for t in threads:
                 t.start()
             wait_for_steps(sidecar.url, before + 8)  # the streams are decoding
-            sidecar.send_signal(signal.SIGKILL)
-            sidecar.wait(30)
+            sidecar.send_signal(sig)
+            rc = sidecar.wait(30)
+            assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL), sidecar.stderr()[-2000:]  # drained cleanly
             sidecar = start_server(*flags)
             for t in threads:
                 t.join(600)
