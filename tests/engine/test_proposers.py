@@ -206,7 +206,7 @@ def test_drafting_pauses_where_drafts_fail_through_a_real_server(home: str, orac
     from sidecar.client.remote import RemoteWorker
     from sidecar.engine.ngram import ngram_drafts
     from tests.server.serverproc import start_server
-    from tests.server.test_metrics import samples, scrape
+    from tests.server.prom import samples, scrape
 
     import numpy as np
 

@@ -8,7 +8,7 @@ from sidecar.models import resolve_model
 from sidecar.scheduler.generate import load_tokenizer
 from tests.conftest import mlx_lm_greedy
 from tests.server.serverproc import free_port, start_server
-from tests.server.test_metrics import samples, scrape
+from tests.server.prom import samples, scrape
 
 
 def _generate(*argv: str) -> str:

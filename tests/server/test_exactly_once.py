@@ -16,7 +16,7 @@ from sidecar.client.remote import RemoteError, RemoteWorker
 from tests.conftest import mlx_lm_greedy
 from tests.driver import Driver
 from tests.server.serverproc import finish, free_port, prefill
-from tests.server.test_metrics import scrape, value
+from tests.server.prom import scrape, value
 
 PROMPT = list(range(40, 61))
 STEPS = 6  # prefill in two chunks, then decodes

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from tests.server.serverproc import finish, prefill, start_server
-from tests.server.test_metrics import scrape, value
+from tests.server.prom import scrape, value
 
 MP = "application/msgpack"
 

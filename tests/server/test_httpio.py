@@ -9,7 +9,7 @@ import msgpack
 
 from sidecar.server.httpio import encode_reply
 from tests.server.test_hardening import call
-from tests.server.test_metrics import scrape, value
+from tests.server.prom import scrape, value
 
 
 def test_an_unencodable_reply_becomes_a_500_envelope_not_a_bare_500() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from sidecar.client.remote import RemoteError, RemoteWorker
 from tests.server.serverproc import finish, prefill, start_server
-from tests.server.test_metrics import scrape, value
+from tests.server.prom import scrape, value
 
 
 @pytest.fixture

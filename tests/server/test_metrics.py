@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +22,8 @@ from sidecar.config import Config
 from sidecar.server.metrics import Metrics
 from sidecar.worker.mlx_worker import MLXWorker
 from tests.driver import Driver
-from tests.server.serverproc import finish, free_port, prefill, slow_prefill_tokens, start_server
+from tests.server.prom import Prometheus, need_tool, rpc_counts, samples, scrape, value
+from tests.server.serverproc import finish, prefill, slow_prefill_tokens, start_server
 
 TOKEN = "metrics-test-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -37,64 +37,19 @@ GAUGES: dict[str, set[str]] = {
     "memory_limit_bytes": set(), "memory_total_bytes": set(), "model_weights_bytes": set(),
     "kv_cache_blocks": set(), "kv_cache_blocks_used": set(), "kv_cache_usage_ratio": set(),
     "kv_cache_block_size_bytes": set(), "running_requests": set(), "last_step_duration_seconds": set(),
-    "last_health_check_timestamp_seconds": set(), "start_time_seconds": {"instance_id"},  # issue 9
-    "spec_decode_acceptance_ratio": set(),  # issue 12
+    "last_health_check_timestamp_seconds": set(), "start_time_seconds": {"instance_id"},
+    "spec_decode_acceptance_ratio": set(),
 }
 COUNTERS = {"rpc_requests": {"method", "code"}, "prompt_tokens": set(), "generation_tokens": set(),
             "steps": set(), "errors": {"type"}, "prefill_chunks": set(), "pooling_requests": set(),
             "more_decode_steps": set(),
-            "spec_decode_draft_tokens": set(), "spec_decode_accepted_tokens": set(),  # issue 12
-            "mlx_thread_idle_seconds": set(),  # issue 11
+            "spec_decode_draft_tokens": set(), "spec_decode_accepted_tokens": set(),
+            "mlx_thread_idle_seconds": set(),
             "encoder_runs": set(), "encoder_cache_hits": set(), "encoder_cache_misses": set(),
             "encoder_cache_evictions": set(), "encoder_seconds": set()}
 HISTOGRAMS = {"rpc_duration_seconds": {"method"}, "step_duration_seconds": set(), "step_tokens": set(),
               "step_batch_size": set(), "time_to_first_token_seconds": set(),
-              "spec_decode_draft_tokens_per_step": set()}  # issue 12
-
-
-def need_tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not installed: `make test` installs it (scripts/ensure-prometheus.sh)")
-    return path
-
-
-class Prometheus:
-    """A real Prometheus scraping one target every second (its scrape manager only starts ~5 s
-    after launch, so the module starts it with the server and queries it in the last test)."""
-
-    def __init__(self, binary: str, target: str, workdir: Path):
-        self.port, self.target, self.workdir = free_port(), target, workdir
-        self.api = f"http://127.0.0.1:{self.port}/api/v1"
-        (workdir / "prometheus.yml").write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-            f"scrape_configs:\n  - job_name: mlx-sidecar\n    static_configs:\n      - targets: ['{target}']\n")
-        with open(workdir / "prometheus.log", "wb") as logf:
-            self.proc = subprocess.Popen(
-                [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
-                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def log(self) -> str:
-        return (self.workdir / "prometheus.log").read_text()
-
-    def query(self, q: str) -> list:
-        r = httpx.get(f"{self.api}/query", params={"query": q}, timeout=5)
-        assert r.status_code == 200 and r.json()["status"] == "success", r.text
-        return r.json()["data"]["result"]
-
-    def scalar(self, q: str) -> float:
-        result = self.query(q)
-        assert len(result) == 1, (q, result)
-        return float(result[0]["value"][1])
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+              "spec_decode_draft_tokens_per_step": set()}
 
 
 @pytest.fixture(scope="module")
@@ -118,26 +73,6 @@ def remote(server):
     w = RemoteWorker(server.url, token=TOKEN)
     yield w
     w.close()
-
-
-def scrape(url: str) -> str:
-    r = httpx.get(f"{url}/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return r.text
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    return samples(text).get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def rpc_counts(text: str) -> dict[tuple[str, str], float]:
-    return {(dict(k[1])["method"], dict(k[1])["code"]): v for k, v in samples(text).items()
-            if k[0] == "mlx_worker_rpc_requests_total"}
 
 
 def test_every_family_of_the_design_with_its_type_and_labels(server, remote: RemoteWorker) -> None:
