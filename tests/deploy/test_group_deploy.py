@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import from_env
-from tests.deploy.test_deploy import (INSTALL, PROM, UNIT, alert_rules, fake_program, load_plist, parse_serve,
-                                     run_promtool, run_sh, split_dry_run)
-
-__all__ = ["fake_program"]  # the fixture, shared with test_deploy.py
+from tests.deploy.deployfiles import (INSTALL, PROM, UNIT, alert_rules, load_plist, parse_serve, run_promtool, run_sh,
+                                     split_dry_run)
 
 
 def test_install_dry_run_renders_a_group_rank(tmp_path: Path, fake_program: Path, monkeypatch) -> None:
