@@ -1,5 +1,5 @@
-"""The layout stays honest: no import circle among the modules of sidecar/ and bench/, no file there over
-400 lines, and the serving package never imports the bench."""
+"""The layout stays honest: no import circle among the modules of sidecar/ and bench/, no file there
+or in tests/ over 400 lines, and the serving package never imports the bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 BENCH = ROOT.parent / "bench"
 PACKAGES = (ROOT, BENCH)
+TESTS = ROOT.parent / "tests"
 MAX_LINES = 400
 
 # Exceptions, each one to remove: the lists may only shrink (a stale entry fails).
@@ -81,7 +82,7 @@ def cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
     return out
 
 
-def long_files(roots: tuple[Path, ...] = PACKAGES) -> set[str]:
+def long_files(roots: tuple[Path, ...] = (*PACKAGES, TESTS)) -> set[str]:
     return {str(p.relative_to(root.parent)) for root in roots for p in root.rglob("*.py")
             if len(p.read_text(encoding="utf-8").splitlines()) > MAX_LINES}
 
