@@ -269,7 +269,8 @@ def msgpack_figures(n: int, repeats: int, vocab_size: int) -> dict[str, float]:
     SchedulerOutput, the server's validation of it, and the n-row result's way back."""
     import msgpack
 
-    from sidecar.wire.protocol import MSGPACK_TYPES, SchedulerOutput, decode_body, encode_body
+    from sidecar.wire.codec import MSGPACK_TYPES, decode_body, encode_body
+    from sidecar.wire.protocol import SchedulerOutput
 
     def timed(fn: Callable[[], Any]) -> float:
         fn()

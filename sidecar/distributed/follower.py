@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from sidecar.distributed.group import GroupLost, Watchdog, exit_soon, is_group_error
+from sidecar.distributed.group import Watchdog, exit_soon, is_group_error
 from sidecar.distributed.leader import deadline
 from sidecar.distributed.shard import GroupWorker
 from sidecar.errors import SidecarError

@@ -18,7 +18,6 @@ into an ordinary mlx-lm model directory, under the built-ins' lock and atomicall
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path

@@ -32,7 +32,7 @@ from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Config
 from sidecar.errors import (MethodNotAllowed, SidecarError, StartupError, Unavailable,
                             UnknownMethod, UnsupportedMediaType)
-from sidecar.wire.protocol import JSON_TYPE, MSGPACK_TYPES, decode_body
+from sidecar.wire.codec import JSON_TYPE, MSGPACK_TYPES, decode_body
 from sidecar.server import kv_store
 from sidecar.server.httpio import encode_reply
 from sidecar.server.httpio import media_type as _media_type

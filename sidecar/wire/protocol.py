@@ -11,14 +11,11 @@ from itertools import chain
 from typing import Any, Callable
 
 from sidecar.errors import ProtocolError
+from sidecar.wire.codec import KIND_NAMES, wire_type
 from sidecar.wire.pooling_params import PoolingParams
 from sidecar.wire.sampling_params import SamplingParams
 from sidecar.wire import kv_store
 from sidecar.wire import multimodal
-
-# The codecs live in wire/codec.py (no MLX); re-exported for the callers that import them from here.
-from sidecar.wire.codec import (JSON_TYPE, KIND_NAMES, MAX_CONTAINER_LEN, MAX_DEPTH, MSGPACK_TYPES,  # noqa: E402,F401
-                           decode_body, encode_body, wire_type)
 
 
 # --- field helpers ------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import msgpack
 import pytest
 
 from sidecar.errors import ProtocolError
-from sidecar.wire.protocol import MAX_DEPTH, SchedulerOutput, decode_body, encode_body
+from sidecar.wire.codec import MAX_DEPTH, decode_body, encode_body
+from sidecar.wire.protocol import SchedulerOutput
 
 
 def so(**over: object) -> dict:
