@@ -146,7 +146,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
                 raise
             # The shutdown timeout ran out while this call was running: answer instead of letting
             # the server send a bare 500. The worker's state does not survive the exit anyway.
-            sc.cut_off()
+            sc.cut_off(rid)
             status, error_type = 503, "unavailable"
             payload = Unavailable("the worker shut down before the call finished (shutdown timeout); "
                                   "its outcome is unknown", retry_after=5).to_wire()

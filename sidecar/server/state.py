@@ -65,9 +65,10 @@ class Sidecar:
             self._dropped_queued = True
             self.thread.cancel_queued("the worker is shutting down")
 
-    def cut_off(self) -> None:
+    def cut_off(self, request_id: str | None = None) -> None:
         """The shutdown timeout ran out with a call still running: its outcome is unknown, so the
         exit is unclean (status 1), whether or not the call ends before the process does."""
         if self.clean_shutdown:
             self.clean_shutdown = False
-            slog.error("shutdown: a call was still running after the %gs shutdown timeout", self.config.shutdown_timeout)
+            slog.error("shutdown: a call was still running after the %gs shutdown timeout", self.config.shutdown_timeout,
+                       extra={"request_id": request_id} if request_id else None)

@@ -107,6 +107,10 @@ def test_a_step_longer_than_the_shutdown_timeout_bounds_the_exit(home: str) -> N
         if "error" not in out:
             assert out["status"] == 503 and "outcome is unknown" in out["body"]["error"]["message"], out
         assert "a call was still running after the 1s shutdown timeout" in s.stderr()
+        lines = [json.loads(line) for line in s.stderr().splitlines() if line.startswith("{")]
+        (cut,) = [x for x in lines if x["msg"].startswith("shutdown: a call was still running")]
+        (answered,) = [x for x in lines if x["msg"] == "rpc" and x.get("method") == "execute_model" and x["status"] == 503]
+        assert cut["request_id"] == answered["request_id"]  # the log names the call that was cut off
 
 
 def test_sigint_when_idle_exits_0_without_a_traceback(home: str) -> None:
