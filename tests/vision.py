@@ -113,8 +113,12 @@ class MMDriver(Driver):
         for rid, n in so["num_scheduled_tokens"].items():
             start = self.reqs[rid].computed
             for j, f in enumerate(self.features.get(rid, [])):
-                p = f["mm_position"]
-                if p["offset"] < start + n and p["offset"] + p["length"] > start and f["identifier"] not in self.encoded:
+                # As vLLM: an item is encoded in the first chunk that reaches one of its embeddings
+                # (a chunk of only the placeholder's other positions, such as Idefics3's row and
+                # column tokens, needs no encoder output).
+                p, lo, hi = f["mm_position"], max(start, f["mm_position"]["offset"]), start + n
+                embed = p["is_embed"] or [True] * p["length"]
+                if any(embed[lo - p["offset"]: hi - p["offset"]]) and f["identifier"] not in self.encoded:
                     self.encoded.add(f["identifier"])
                     sched.setdefault(rid, []).append(j)
         so["scheduled_encoder_inputs"], so["free_encoder_mm_hashes"], self.to_free = sched, self.to_free, []

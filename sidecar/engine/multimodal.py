@@ -185,15 +185,17 @@ class Multimodal:
                 lo, hi = max(r.offset, s), min(r.offset + r.length, s + n)
                 if lo >= hi:
                     continue
+                embed = np.ones(r.length, bool) if r.is_embed is None else np.asarray(r.is_embed)
+                at = np.arange(lo, hi)
+                keep = embed[at - r.offset]
+                if not keep.any():  # no embedding in this chunk (vLLM schedules no encoder input for it)
+                    continue
                 out = self.cache.get(f.identifier)
                 if out is None:
                     raise ProtocolError(f"the encoder output of item {j} of {row.state.req_id!r} is needed at "
                                         f"positions [{lo}, {hi}) but was never scheduled (or was freed)",
                                         field="scheduled_encoder_inputs")
-                embed = np.ones(r.length, bool) if r.is_embed is None else np.asarray(r.is_embed)
                 which = np.cumsum(embed) - 1  # encoder row of each placeholder position
-                at = np.arange(lo, hi)
-                keep = embed[at - r.offset]
                 dst.append(b * L + at[keep] - s)
                 src.append(out[mx.array(which[at[keep] - r.offset])])
         embeds = None

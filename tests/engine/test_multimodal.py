@@ -235,3 +235,20 @@ def test_sleep_level_2_and_wake_up_serve_images_again(make_worker, model, sea):
     d = MMDriver(w.execute_model, w.config.block_size, 96)
     d.add_mm("b", ids, [feature(ids, data, "sea", tok(w))])
     assert d.run(N)["b"] == want
+
+
+def test_a_chunk_of_only_non_embedding_placeholder_positions_needs_no_encoder_output(worker, sea):
+    """A placeholder can start with positions that take no embedding (Idefics3's row and column
+    tokens): vLLM schedules the item's encoder input only with the first chunk that reaches an
+    embedding, so a chunk of only those positions runs before the item is encoded."""
+    ids, data, want = sea
+    off = ids.index(tok(worker))
+    feat = feature(ids, data, "lead", tok(worker))
+    n = feat["mm_position"]["length"]
+    feat["mm_position"].update(offset=off - 3, length=n + 3, is_embed=[False] * 3 + [True] * n)
+    d = fresh(worker)
+    d.add_mm("a", ids, [feat])
+    so = d.build(chunk=off)  # [0, off): the placeholder's three leading positions, none an embedding
+    assert so["scheduled_encoder_inputs"] == {}
+    d.commit(so, worker.execute_model(so).to_wire())
+    assert d.run(N, chunk=off)["a"] == want
