@@ -6,7 +6,9 @@ passes through the worker class, so from them alone the KV content of every bloc
 described: the tokens [0, computed) of the request that last wrote it. After a sidecar restart
 (sidecar/vllm/recovery.py) that is enough to write every block back: `refill_steps` turns the
 record into ordinary prefill steps (chunks that end before a request's last known token, so
-nothing is sampled). Plain data in, wire maps out: no vLLM, no MLX.
+nothing is sampled). A request's images go with it: the ledger keeps each image's processed
+tensors (by identifier, as vLLM sends them once) while a request that may be refilled holds it,
+and the refill has the new instance encode them again. Plain data in, wire maps out: no vLLM, no MLX.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class Req:
     computed: int = 0
     created: int = 0  # the step that scheduled it first (a live request refills after the ones it hit)
     last_write: int = 0  # the step that last wrote one of its blocks (a chain's refill order)
+    mm_features: list[dict] = field(default_factory=list)  # the wire items, without their tensors
+
+    def images(self, lo: int, hi: int) -> list[dict]:
+        """Its items whose placeholder overlaps positions [lo, hi)."""
+        return [f for f in self.mm_features
+                if f["mm_position"]["offset"] < hi and f["mm_position"]["offset"] + f["mm_position"]["length"] > lo]
 
     @property
     def tokens(self) -> list[int]:
@@ -41,12 +49,14 @@ class Ledger:
     parked: dict[str, Req] = field(default_factory=dict)  # preempted: vLLM resumes them by id
     owner: dict[int, Req] = field(default_factory=dict)  # group-0 block id -> the request that last wrote it
     steps: int = 0
+    tensors: dict[str, dict] = field(default_factory=dict)  # image identifier -> its processed tensors (wire)
 
     def clear(self) -> None:
         """The sidecar dropped every request (init_device, initialize_cache, sleep)."""
         self.live.clear()
         self.parked.clear()
         self.owner.clear()
+        self.tensors.clear()
 
     def _write(self, r: Req, start: int, end: int) -> None:
         r.computed, r.last_write = end, self.steps
@@ -67,7 +77,7 @@ class Ledger:
             known = nr.get("prefill_token_ids") or nr["prompt_token_ids"]
             r = Req(nr["req_id"], list(nr["prompt_token_ids"]), list(known[len(nr["prompt_token_ids"]):]),
                     nr["sampling_params"], nr.get("lora_request"), [list(t) for t in nr["block_ids"]],
-                    created=self.steps)
+                    created=self.steps, mm_features=[self._keep(f) for f in nr.get("mm_features") or ()])
             self.parked.pop(r.req_id, None)
             self.live[r.req_id] = r
             self._write(r, nr["num_computed_tokens"], nr["num_computed_tokens"] + n[r.req_id])
@@ -95,6 +105,33 @@ class Ledger:
                 r.outputs += list(toks)
                 # rejected drafts were scheduled but are not computed: a sampling row ends one short
                 r.computed = min(r.computed, len(r.tokens) - 1)
+        if self.tensors and so.get("finished_req_ids"):
+            self._forget_images()
+
+    def _keep(self, f: dict) -> dict:
+        """A request's item without its pixels, which are kept once per identifier (vLLM sends an
+        image it sent before without them, and the grid alone for one its prefix cache covers)."""
+        data = f.get("data") or {}
+        if "pixel_values" in data:
+            self.tensors[f["identifier"]] = data
+        return {**f, "data": {k: v for k, v in data.items() if k != "pixel_values"} or None}
+
+    def _forget_images(self) -> None:
+        """Drop the tensors no request that may be refilled holds any more."""
+        held = {*self.live.values(), *self.parked.values(), *self.owner.values()}
+        wanted = {f["identifier"] for r in held for f in r.mm_features}
+        for k in [k for k in self.tensors if k not in wanted]:
+            del self.tensors[k]
+
+    def features(self, r: Req, lo: int, end: int) -> list[dict]:
+        """Its items in positions [0, end), with their tensors from `lo` on (positions a new
+        instance may still compute), the grid alone before."""
+        out = []
+        for f in r.mm_features:
+            at = f["mm_position"]["offset"] + f["mm_position"]["length"]
+            if at <= end:
+                out.append({**f, "data": self.tensors.get(f["identifier"], f["data"])} if at > lo else f)
+        return out
 
     def chains(self) -> list[tuple[Req, int]]:
         """Finished (or preempted) requests whose full blocks vLLM may still hit in its prefix
@@ -120,6 +157,12 @@ class _Item:
     total: int  # tokens to write
     done: int = 0  # tokens already there (a live request's prefix-cache hit, refilled by its writer)
     fake: bool = False
+    mm_features: list[dict] = field(default_factory=list)
+
+    def images(self) -> list[int]:
+        """Its items the refill computes positions of: encoded when it is first scheduled."""
+        return [j for j, f in enumerate(self.mm_features)
+                if f["mm_position"]["offset"] < self.total and f["mm_position"]["offset"] + f["mm_position"]["length"] > self.done]
 
     def blocks(self, bs: int) -> set[int]:
         return set(self.tables[0][: -(-self.total // bs)])
@@ -132,11 +175,12 @@ def refill_items(ledger: Ledger, prefix_cache: bool, loras: set[int]) -> list[_I
             lora = r.lora_request
             if lora is not None and lora.get("lora_int_id") not in loras:
                 continue  # its adapter is gone: vLLM evicted those blocks' hashes with it
-            toks = r.tokens[:n]
-            prompt = toks + ([r.tokens[n]] if len(r.tokens) > n else [0])  # one more known token: no sampling
+            # One more known token (no sampling), and every image the refilled blocks reach, whole.
+            end = max([n + 1, *(f["mm_position"]["offset"] + f["mm_position"]["length"] for f in r.images(0, n))])
+            prompt = r.tokens[:end] + [0] * (end - len(r.tokens))
             nb = -(-n // ledger.block_size)
             items.append(_Item(f"{REFILL_PREFIX}{k}", prompt, prompt, {"temperature": 0.0}, lora,
-                               [t[:nb] for t in r.tables], n, fake=True))
+                               [t[:nb] for t in r.tables], n, fake=True, mm_features=ledger.features(r, 0, end)))
     for r in sorted(ledger.live.values(), key=lambda r: r.created):
         if r.computed > 0:
             # Leading full blocks another request wrote are this one's prefix-cache hits (vLLM does
@@ -145,16 +189,22 @@ def refill_items(ledger: Ledger, prefix_cache: bool, loras: set[int]) -> list[_I
             hit = 0
             while (hit + 1) * ledger.block_size <= r.computed and ledger.owner.get(r.tables[0][hit], r) is not r:
                 hit += 1
+            done = min(hit * ledger.block_size, r.computed - 1)  # >= 1 token: it must exist there
             items.append(_Item(r.req_id, r.prompt, r.tokens, r.sampling_params, r.lora_request, r.tables, r.computed,
-                               done=min(hit * ledger.block_size, r.computed - 1)))  # >= 1 token: it must exist there
+                               done=done, mm_features=ledger.features(r, done, len(r.prompt))))
     return items
 
 
 def refill_steps(items: list[_Item], block_size: int, budget: int, max_seqs: int) -> Iterator[dict]:
     """Wire scheduler_outputs that write every item's tokens [0, total) into its own blocks,
     chunked within `budget` tokens and `max_seqs` rows a step. An item whose blocks overlap an
-    earlier item's starts only after that one is done (the later writer wins)."""
+    earlier item's starts only after that one is done (the later writer wins). An item's images are
+    encoded in its first step; the last step frees those no live request computes past the refill."""
     queue, active, finished = list(items), [], []
+    encoded = {it.mm_features[j]["identifier"] for it in items for j in it.images()}
+    needed = {f["identifier"] for it in items if not it.fake for f in it.mm_features
+              if f["mm_position"]["offset"] + f["mm_position"]["length"] > it.total}
+    free = sorted(encoded - needed)
     while queue or active or finished:
         new, cached, sched = [], [], {}
         left = budget
@@ -182,7 +232,8 @@ def refill_steps(items: list[_Item], block_size: int, budget: int, max_seqs: int
             step["scheduled_new_reqs"].append({
                 "req_id": it.req_id, "prompt_token_ids": it.prompt, "prefill_token_ids": it.known,
                 "sampling_params": it.sampling_params, "block_ids": it.tables, "num_computed_tokens": it.done,
-                "lora_request": it.lora_request})
+                "lora_request": it.lora_request, "mm_features": it.mm_features})
+        step["scheduled_encoder_inputs"] = {it.req_id: it.images() for it, _ in new if it.images()}
         c = step["scheduled_cached_reqs"]
         for it, k in cached:
             c["req_ids"].append(it.req_id)
@@ -199,3 +250,6 @@ def refill_steps(items: list[_Item], block_size: int, budget: int, max_seqs: int
         if not sched and not step["finished_req_ids"]:
             break
         yield step
+    if free:
+        yield {"scheduled_new_reqs": [], "num_scheduled_tokens": {}, "total_num_scheduled_tokens": 0,
+               "finished_req_ids": [], "free_encoder_mm_hashes": free}

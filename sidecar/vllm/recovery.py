@@ -179,19 +179,29 @@ class Recovering:
         if not move:
             return so
         new = list(so.get("scheduled_new_reqs") or ())
+        encode = {k: list(v) for k, v in (so.get("scheduled_encoder_inputs") or {}).items()}
         for i in move:
             rid = c["req_ids"][i]
             r = self.ledger.parked.get(rid) or self.ledger.live[rid]
             known = (c.get("all_token_ids") or {}).get(rid) or r.tokens
+            at = c["num_computed_tokens"][i]
+            mm = self.ledger.features(r, at, len(r.prompt))
             new.append({"req_id": rid, "prompt_token_ids": r.prompt, "prefill_token_ids": list(known),
                         "sampling_params": r.sampling_params, "block_ids": c["new_block_ids"][i],
-                        "num_computed_tokens": c["num_computed_tokens"][i], "lora_request": r.lora_request})
+                        "num_computed_tokens": at, "lora_request": r.lora_request, "mm_features": mm})
+            # The new instance never encoded its images: those this step reaches run now.
+            end = at + (so.get("num_scheduled_tokens") or {}).get(rid, 0)
+            reach = [j for j, f in enumerate(mm) if f["mm_position"]["offset"] < end
+                     and f["mm_position"]["offset"] + f["mm_position"]["length"] > at]
+            if reach:
+                encode[rid] = sorted({*encode.get(rid, ()), *reach})
         keep = [i for i in range(len(c["req_ids"])) if i not in set(move)]
         cached = {k: ([v[i] for i in keep] if isinstance(v, list) and len(v) == len(c["req_ids"]) else v)
                   for k, v in c.items()}
         cached["resumed_req_ids"] = [r for r in c.get("resumed_req_ids") or () if r not in self.fresh]
         cached["all_token_ids"] = {k: v for k, v in (c.get("all_token_ids") or {}).items() if k not in self.fresh}
-        return {**so, "scheduled_new_reqs": new, "scheduled_cached_reqs": cached}
+        return {**so, "scheduled_new_reqs": new, "scheduled_cached_reqs": cached,
+                **({"scheduled_encoder_inputs": encode} if encode else {})}
 
     # --- recovery ---------------------------------------------------------------------------
 

@@ -95,3 +95,56 @@ def test_a_block_written_again_ends_with_its_last_writers_content() -> None:
     ledger.apply(step(finished=["y"]), out({}))
     chains = [(r.req_id, n) for r, n in ledger.chains()]
     assert chains == [("x", 4), ("y", 8)]  # x keeps block 0 only (block 1 is y's now), y refills last
+
+
+IMG = 77  # the image placeholder token
+
+
+def image(ident: str, offset: int, length: int, pixels: bool = True) -> dict:
+    grid = {"dtype": "int64", "shape": [1, 3], "data": b"\0" * 24}
+    data = {"pixel_values": {"dtype": "float32", "shape": [4, 2], "data": ident.encode() * 8}} if pixels else {}
+    return {"modality": "image", "identifier": ident, "mm_hash": ident,
+            "mm_position": {"offset": offset, "length": length, "is_embed": None}, "data": {**data, "image_grid_thw": grid}}
+
+
+def test_images_go_with_their_requests_into_the_refill() -> None:
+    """vLLM sends an image's tensors once: the ledger keeps them by identifier while a request that
+    may be refilled holds it, the refill registers each request's items (tensors for the positions
+    still to compute, the grid alone before), encodes them in the item's first step, and frees
+    those no live request computes past the refill."""
+    ledger = Ledger(BS)
+    p = [1, 2] + [IMG] * 4 + [3, 4, 5, 6]  # the image at [2, 6)
+    # c: the image, finished (its blocks stay in the prefix cache); a: the same image (sent without
+    # its tensors), a 6-token prefix hit on c's blocks, then a chunk that stops inside a second image.
+    ledger.apply(step([{**new("c", p, [0, 1, 2]), "mm_features": [image("img1", 2, 4)]}], sched={"c": 10}),
+                 out({"c": [9]}))
+    ledger.apply(step(finished=["c"]), out({}))
+    q = p[:8] + [IMG] * 4 + [8]  # a second image at [8, 12)
+    ledger.apply(step([{**new("a", q, [0, 1, 3, 4], computed=8), "mm_features": [image("img1", 2, 4, pixels=False),
+                                                                               image("img2", 8, 4)]}], sched={"a": 2}),
+                 out({"a": []}))
+    assert sorted(ledger.tensors) == ["img1", "img2"]
+    assert all("pixel_values" not in (f["data"] or {}) for r in ledger.live.values() for f in r.mm_features)
+    items = refill_items(ledger, prefix_cache=True, loras=set())
+    assert [(it.req_id, it.done, it.total) for it in items] == [(f"{REFILL_PREFIX}0", 0, 8), ("a", 8, 10)]
+    chain, a = items
+    assert [f["identifier"] for f in chain.mm_features] == ["img1"] and chain.images() == [0]
+    assert chain.mm_features[0]["data"]["pixel_values"]["data"] == b"img1" * 8
+    assert "pixel_values" not in a.mm_features[0]["data"]  # before its hit: the grid alone
+    assert a.mm_features[1]["data"]["pixel_values"]["data"] == b"img2" * 8 and a.images() == [1]
+    plan = list(refill_steps(items, BS, budget=16, max_seqs=4))
+    first = {nr["req_id"]: (i, nr) for i, s in enumerate(plan) for nr in s["scheduled_new_reqs"]}
+    for rid, (i, nr) in first.items():
+        assert plan[i]["scheduled_encoder_inputs"][rid] == [j for j, f in enumerate(nr["mm_features"])
+                                                            if f["identifier"] in {"img1", "img2"} and
+                                                            (rid != "a" or f["identifier"] == "img2")]
+    # img2 is still needed (a computes past the refill into it); img1 is not: freed at the end.
+    assert plan[-1]["free_encoder_mm_hashes"] == ["img1"] and not plan[-1]["num_scheduled_tokens"]
+    # Once nothing that may be refilled holds an image, its tensors go.
+    ledger.apply(step(finished=["a"]), out({}))
+    ledger.apply(step([new("z", list(range(40, 56)), [0, 1, 3, 4])], sched={"z": 16}), out({"z": [1]}))
+    ledger.apply(step(finished=["z"]), out({}))
+    assert sorted(ledger.tensors) == ["img1"]  # z wrote over a's blocks, not over c's block 2
+    ledger.apply(step([new("y", list(range(60, 64)), [2])], sched={"y": 4}), out({"y": [1]}))
+    ledger.apply(step(finished=["y"]), out({}))
+    assert ledger.tensors == {}

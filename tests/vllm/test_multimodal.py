@@ -205,3 +205,75 @@ def test_openai_chat_completions_with_an_image_data_url(home: str, vllm_model_di
         assert body["choices"][0]["token_ids"] == want["tokens"]
         metrics = _encoder_metrics(sidecar.url)
         assert metrics["mlx_worker_encoder_runs_total"] == 1
+
+
+def test_requests_with_images_survive_a_sidecar_restart(home: str, vllm_model_dir, tmp_path) -> None:
+    """kill -9 of the sidecar while requests with images decode, a new one on the same port: the
+    worker class refills their KV with the images encoded again (the pixels vLLM sent once), the
+    streams end with mlx-vlm's tokens, and a repeat of one request hits the refilled blocks past
+    its image in vLLM's prefix cache and still gives mlx-vlm's tokens."""
+    if not _vision_in_sidecar_venv():
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    import signal
+    import threading
+    import time
+
+    from tests.server.serverproc import free_port, start_server
+    from tests.vllm.apiserver import api_server
+    from tests.vllm.test_recovery import prefix_hits, recovery_lines, steps
+
+    n, seeds = 96, [21, 22, 21, 23]  # (long enough that the kill lands mid-stream)
+    want = {s: oracle({"vlm": MODEL, "text": TEXT, "image_seed": s, "size": [80, 100], "max_tokens": n}, "")
+            for s in set(seeds)}
+
+    def chat(seed: int) -> list[int]:
+        content = [{"type": "text", "text": TEXT},
+                   {"type": "image_url", "image_url": {"url": "data:image/png;base64," + want[seed]["png"]}}]
+        r = httpx.post(f"{api.url}/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    flags = ("--model", MODEL, "--port", str(free_port()))
+    sidecar = start_server(*flags)
+    try:
+        with api_server(vllm_model_dir(MODEL), {"mlx_sidecar": {"url": sidecar.url, "recover_timeout": 120}},
+                        tmp_path / "api.log", "--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "512",
+                        "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--async-scheduling") as api:
+            results: dict[int, list[int]] = {}
+            errors: list[BaseException] = []
+
+            def run(i: int) -> None:
+                try:
+                    results[i] = chat(seeds[i])
+                except BaseException as e:  # noqa: BLE001 (reported below)
+                    errors.append(e)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(seeds))]
+            before = steps(sidecar.url)
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 120
+            while steps(sidecar.url) <= before + 10:  # past the prefills (4 x 99 tokens, 64 a step): decoding
+                assert not errors and time.monotonic() < deadline, (errors, api.text()[-3000:])
+                time.sleep(0.05)
+            sidecar.send_signal(signal.SIGKILL)
+            sidecar.wait(30)
+            sidecar = start_server(*flags)
+            for t in threads:
+                t.join(600)
+            assert not errors, errors
+            lines = recovery_lines(api)
+            assert len(lines) == 1, "no recovery: the kill came after the streams ended"
+            (line,) = lines
+            assert line["refilled_tokens"] > 0
+            for i, s in enumerate(seeds):
+                assert results[i] == want[s]["tokens"], f"request {i} (image {s})"
+            assert _encoder_metrics(sidecar.url)["mlx_worker_encoder_runs_total"] >= 1  # the refill encoded
+            hits = prefix_hits(api.url)
+            assert chat(21) == want[21]["tokens"]
+            assert prefix_hits(api.url) - hits > want[21]["prompt"].index(max(set(want[21]["prompt"]),
+                                                                              key=want[21]["prompt"].count))
+    finally:
+        sidecar.stop()
