@@ -19,6 +19,16 @@ from typing import Iterator
 REFILL_PREFIX = "mlx-sidecar-refill-"
 
 
+def span(f: dict) -> tuple[int, int]:
+    """The positions [start, end) of a wire item's placeholder."""
+    return f["mm_position"]["offset"], f["mm_position"]["offset"] + f["mm_position"]["length"]
+
+
+def reached(items: list[dict], lo: int, hi: int) -> list[int]:
+    """The indices of the items whose placeholder overlaps positions [lo, hi)."""
+    return [j for j, f in enumerate(items) if span(f)[0] < hi and span(f)[1] > lo]
+
+
 @dataclass(eq=False)
 class Req:
     req_id: str
@@ -31,11 +41,6 @@ class Req:
     created: int = 0  # the step that scheduled it first (a live request refills after the ones it hit)
     last_write: int = 0  # the step that last wrote one of its blocks (a chain's refill order)
     mm_features: list[dict] = field(default_factory=list)  # the wire items, without their tensors
-
-    def images(self, lo: int, hi: int) -> list[dict]:
-        """Its items whose placeholder overlaps positions [lo, hi)."""
-        return [f for f in self.mm_features
-                if f["mm_position"]["offset"] < hi and f["mm_position"]["offset"] + f["mm_position"]["length"] > lo]
 
     @property
     def tokens(self) -> list[int]:
@@ -128,7 +133,7 @@ class Ledger:
         instance may still compute), the grid alone before."""
         out = []
         for f in r.mm_features:
-            at = f["mm_position"]["offset"] + f["mm_position"]["length"]
+            at = span(f)[1]
             if at <= end:
                 out.append({**f, "data": self.tensors.get(f["identifier"], f["data"])} if at > lo else f)
         return out
@@ -161,8 +166,7 @@ class _Item:
 
     def images(self) -> list[int]:
         """Its items the refill computes positions of: encoded when it is first scheduled."""
-        return [j for j, f in enumerate(self.mm_features)
-                if f["mm_position"]["offset"] < self.total and f["mm_position"]["offset"] + f["mm_position"]["length"] > self.done]
+        return reached(self.mm_features, self.done, self.total)
 
     def blocks(self, bs: int) -> set[int]:
         return set(self.tables[0][: -(-self.total // bs)])
@@ -176,7 +180,7 @@ def refill_items(ledger: Ledger, prefix_cache: bool, loras: set[int]) -> list[_I
             if lora is not None and lora.get("lora_int_id") not in loras:
                 continue  # its adapter is gone: vLLM evicted those blocks' hashes with it
             # One more known token (no sampling), and every image the refilled blocks reach, whole.
-            end = max([n + 1, *(f["mm_position"]["offset"] + f["mm_position"]["length"] for f in r.images(0, n))])
+            end = max([n + 1, *(span(r.mm_features[j])[1] for j in reached(r.mm_features, 0, n))])
             prompt = r.tokens[:end] + [0] * (end - len(r.tokens))
             nb = -(-n // ledger.block_size)
             items.append(_Item(f"{REFILL_PREFIX}{k}", prompt, prompt, {"temperature": 0.0}, lora,
@@ -203,7 +207,7 @@ def refill_steps(items: list[_Item], block_size: int, budget: int, max_seqs: int
     queue, active, finished = list(items), [], []
     encoded = {it.mm_features[j]["identifier"] for it in items for j in it.images()}
     needed = {f["identifier"] for it in items if not it.fake for f in it.mm_features
-              if f["mm_position"]["offset"] + f["mm_position"]["length"] > it.total}
+              if span(f)[1] > it.total}
     free = sorted(encoded - needed)
     while queue or active or finished:
         new, cached, sched = [], [], {}

@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable
 
 from sidecar.client.remote import RemoteError, RemoteWorker
-from sidecar.vllm.ledger import Ledger, refill_items, refill_steps
+from sidecar.vllm.ledger import Ledger, reached, refill_items, refill_steps
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +190,7 @@ class Recovering:
                         "sampling_params": r.sampling_params, "block_ids": c["new_block_ids"][i],
                         "num_computed_tokens": at, "lora_request": r.lora_request, "mm_features": mm})
             # The new instance never encoded its images: those this step reaches run now.
-            end = at + (so.get("num_scheduled_tokens") or {}).get(rid, 0)
-            reach = [j for j, f in enumerate(mm) if f["mm_position"]["offset"] < end
-                     and f["mm_position"]["offset"] + f["mm_position"]["length"] > at]
+            reach = reached(mm, at, at + (so.get("num_scheduled_tokens") or {}).get(rid, 0))
             if reach:
                 encode[rid] = sorted({*encode.get(rid, ()), *reach})
         keep = [i for i in range(len(c["req_ids"])) if i not in set(move)]

@@ -1,5 +1,6 @@
 """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server --worker-cls ...`) as a real
-process for the tests that need one, and the streams they read from it."""
+process for the tests that need one, the streams they read from it, and the figures they read
+from its log and from both servers' metrics."""
 
 from __future__ import annotations
 
@@ -82,3 +83,18 @@ def assert_scheduling(api: Api, flag: str) -> None:
     m = re.search(r"MLX sidecar at \S+ initialised \((.*)\)$", api.text(), re.M)
     assert m is not None, "the worker's start-up line is missing"
     assert m.group(1).endswith(", async scheduling") is (flag == "--async-scheduling")
+
+
+def recovery_lines(api: Api) -> list[dict]:
+    """The worker's machine-readable line per recovery (sidecar/vllm/recovery.py)."""
+    return [json.loads(m) for m in re.findall(r"mlx_sidecar_recovery (\{.*\})$", api.text(), re.M)]
+
+
+def steps(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(m) for m in re.findall(r"^mlx_worker_step_duration_seconds_count(?:\{[^}]*\})? (\S+)", text, re.M))
+
+
+def prefix_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M))

@@ -219,8 +219,7 @@ def test_requests_with_images_survive_a_sidecar_restart(home: str, vllm_model_di
     import time
 
     from tests.server.serverproc import free_port, start_server
-    from tests.vllm.apiserver import api_server
-    from tests.vllm.test_recovery import prefix_hits, recovery_lines, steps
+    from tests.vllm.apiserver import api_server, prefix_hits, recovery_lines, steps
 
     n, seeds = 96, [21, 22, 21, 23]  # (long enough that the kill lands mid-stream)
     want = {s: oracle({"vlm": MODEL, "text": TEXT, "image_seed": s, "size": [80, 100], "max_tokens": n}, "")

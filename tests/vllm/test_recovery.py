@@ -6,9 +6,7 @@ the unread ones are sent again to the new instance) and without."""
 
 from __future__ import annotations
 
-import json
 import random
-import re
 import signal
 import threading
 import time
@@ -19,7 +17,7 @@ import pytest
 from sidecar.client.remote import RemoteWorker
 from sidecar.vllm.recovery import Recovering
 from tests.server.serverproc import free_port, start_server
-from tests.vllm.apiserver import Api, api_server, assert_scheduling
+from tests.vllm.apiserver import api_server, assert_scheduling, prefix_hits, recovery_lines, steps
 from tests.vllm.conftest import generated, oracle
 from tests.vllm.proxy import CuttingProxy
 
@@ -28,19 +26,9 @@ LIMITS = ("--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "512", "--
           "--max-num-batched-tokens", "64")
 
 
-def recovery_lines(api: Api) -> list[dict]:
-    """The worker's machine-readable line per recovery (sidecar/vllm/recovery.py)."""
-    return [json.loads(m) for m in re.findall(r"mlx_sidecar_recovery (\{.*\})$", api.text(), re.M)]
-
-
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(length)] for _ in range(n)]
-
-
-def steps(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(m) for m in re.findall(r"^mlx_worker_step_duration_seconds_count(?:\{[^}]*\})? (\S+)", text, re.M))
 
 
 def wait_for_steps(url: str, more_than: float, timeout: float = 120) -> None:
@@ -105,11 +93,6 @@ def test_streams_survive_a_restart_and_a_prefix_hit_after_it_is_right(home: str,
             assert got == oracle({"model": MODEL, "prompts": [hit], "max_tokens": 12}, home)[0]["tokens"]
     finally:
         sidecar.stop()
-
-
-def prefix_hits(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M))
 
 
 def test_a_sidecar_back_with_another_model_fails_the_engine_naming_both(home: str, vllm_model_dir, tmp_path,
