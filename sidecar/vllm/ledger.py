@@ -109,7 +109,7 @@ class Ledger:
             if r is not None and toks:
                 r.outputs += list(toks)
                 # rejected drafts were scheduled but are not computed: a sampling row ends one short
-                r.computed = min(r.computed, len(r.tokens) - 1)
+                r.computed = min(r.computed, len(r.prompt) + len(r.outputs) - 1)  # (not r.tokens: a copy per step)
         if self.tensors and so.get("finished_req_ids"):
             self._forget_images()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 from pathlib import Path
@@ -57,6 +58,21 @@ def generated(server) -> float:
 
 def sidecar_url_config(url: str) -> dict:
     return {"mlx_sidecar": {"url": url}}
+
+
+def counter(llm, name: str) -> float:
+    """One of an offline `vllm.LLM`'s metrics, summed over its labels."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def mixed_prompts(seed: int) -> list[list[int]]:
+    """Eight prompts: four sharing two full blocks (prefix-cache hits), four of their own, three
+    of them longer than a 32-token batch (chunked prefill)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 512) for _ in range(32)]
+    ps = [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (5, 9, 14, 20)]
+    ps += [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 33, 41, 50)]
+    return ps
 
 
 if not Path(MAIN_PYTHON).exists():

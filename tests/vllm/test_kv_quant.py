@@ -13,8 +13,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from sidecar.vllm import convert
 from tests.server.serverproc import start_server
-from tests.vllm.conftest import WORKER_CLS, oracle, sidecar_url_config
-from tests.vllm.test_offline import counter, prompts
+from tests.vllm.conftest import WORKER_CLS, counter, mixed_prompts, oracle, sidecar_url_config
 
 MODEL = "builtin:tiny-kv64"  # llama, 2 layers, 2 KV heads of 64, float32
 LAYERS, HEADS, HEAD, BS = 2, 2, 64, 16
@@ -65,7 +64,7 @@ def test_vllm_counts_blocks_by_the_quantised_page_size(engine) -> None:
 
 def test_greedy_tokens_and_logprobs_are_mlx_lms_quantised(engine, home: str) -> None:
     bits, llm, _ = engine
-    ps = prompts(1)
+    ps = mixed_prompts(1)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1),
                         use_tqdm=False)

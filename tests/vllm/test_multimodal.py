@@ -23,7 +23,8 @@ from vllm.multimodal.inputs import MultiModalBatchedField
 
 from sidecar.vllm import multimodal
 from sidecar.wire.multimodal import features
-from tests.vllm.conftest import MAIN_PYTHON, WORKER_CLS, oracle, sidecar_url_config
+from tests.vllm import apiserver
+from tests.vllm.conftest import MAIN_PYTHON, WORKER_CLS, counter, oracle, sidecar_url_config
 
 MODEL = "builtin:tiny-idefics3"
 TEXT = "Describe the sea."
@@ -97,10 +98,6 @@ def _image(seed: int, size=(80, 100), text: str = TEXT, image_first: bool = Fals
     want = oracle({"vlm": MODEL, "text": text, "image_seed": seed, "size": list(size), "max_tokens": N,
                    "image_first": image_first}, "")
     return want, Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
-
-
-def counter(llm, name: str) -> float:
-    return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
 def _encoder_metrics(url: str) -> dict[str, float]:
@@ -189,14 +186,14 @@ def test_openai_chat_completions_with_an_image_data_url(home: str, vllm_model_di
     if not _vision_in_sidecar_venv():
         pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
     from tests.server.serverproc import start_server
-    from tests.vllm.test_openai_server import api_server
 
     want, _ = _image(9, (90, 70))
     content = [{"type": "text", "text": TEXT},
                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + want["png"]}}]
     with start_server("--model", MODEL) as sidecar, \
-            api_server(vllm_model_dir(MODEL), sidecar.url, "tiny-vl", tmp_path / "api.log") as url:
-        r = httpx.post(f"{url}/v1/chat/completions", json={
+            apiserver.api_server(vllm_model_dir(MODEL), sidecar_url_config(sidecar.url), tmp_path / "api.log",
+                                 "--kv-cache-memory-bytes", str(1 << 20), "--max-model-len", "256", served="tiny-vl") as api:
+        r = httpx.post(f"{api.url}/v1/chat/completions", json={
             "model": "tiny-vl", "messages": [{"role": "user", "content": content}], "max_tokens": N,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}, timeout=300)
         assert r.status_code == 200, r.text

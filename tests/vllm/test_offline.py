@@ -8,7 +8,6 @@ Each case runs with vLLM's async scheduling (two steps in flight) and without.
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import jsonschema
@@ -18,17 +17,9 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import StructuredOutputsParams
 
 from tests.server.serverproc import start_server
-from tests.vllm.conftest import TINY_BLOCK_BYTES, WORKER_CLS, oracle, sidecar_url_config
+from tests.vllm.conftest import TINY_BLOCK_BYTES, WORKER_CLS, counter, mixed_prompts, oracle, sidecar_url_config
 
 MAX_TOKENS = 24
-
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 512) for _ in range(32)]  # two full blocks: prefix-cache hits
-    ps = [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (5, 9, 14, 20)]
-    ps += [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 33, 41, 50)]  # > 32: chunked
-    return ps
 
 
 @pytest.fixture(scope="module", params=[("builtin:tiny", False), ("builtin:tiny", True), ("builtin:tiny-qwen3", True)],
@@ -51,13 +42,9 @@ def engine(request: pytest.FixtureRequest, home: str, vllm_model_dir, tmp_path_f
             llm.llm_engine.engine_core.shutdown()
 
 
-def counter(llm: LLM, name: str) -> float:
-    return sum(m.value for m in llm.get_metrics() if m.name == name)
-
-
 def test_greedy_tokens_are_mlx_lms_through_chunking_preemption_and_prefix_hits(engine, home: str) -> None:
     name, llm, server, _ = engine
-    ps = prompts(1)
+    ps = mixed_prompts(1)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     want = oracle({"model": name, "prompts": ps, "max_tokens": MAX_TOKENS}, home)
@@ -72,10 +59,10 @@ def test_greedy_tokens_are_mlx_lms_through_chunking_preemption_and_prefix_hits(e
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine) -> None:
     _, llm, _, _ = engine
-    p = prompts(2)[5]
+    p = mixed_prompts(2)[5]
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([{"prompt_token_ids": p}], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [{"prompt_token_ids": q} for q in prompts(3)[:4]]
+    others = [{"prompt_token_ids": q} for q in mixed_prompts(3)[:4]]
     batch = llm.generate([*others[:2], {"prompt_token_ids": p}, *others[2:]],
                          [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 2 + [seeded]
                          + [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2, use_tqdm=False)
@@ -86,7 +73,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine) -> None:
 
 def test_logprobs_and_prompt_logprobs_match_mlx_lm(engine, home: str) -> None:
     name, llm, _, _ = engine
-    ps = prompts(4)[4:7]
+    ps = mixed_prompts(4)[4:7]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=2),
                         use_tqdm=False)
@@ -131,7 +118,7 @@ def test_structured_outputs_json_schema_and_choice(engine) -> None:
 
 def test_lora_adapter_under_the_sidecars_lora_dir_gives_mlx_lms_tokens(engine, home: str) -> None:
     name, llm, _, loras = engine
-    p = prompts(5)[6]
+    p = mixed_prompts(5)[6]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with_lora = llm.generate([{"prompt_token_ids": p}], greedy, lora_request=LoRARequest("one", 1, "one"),
                              use_tqdm=False)[0].outputs[0].token_ids
@@ -148,7 +135,7 @@ def test_sleep_and_wake_up_reach_the_sidecar(engine, home: str) -> None:
     assert httpx.get(f"{server.url}/info").json()["state"] == "sleeping"
     llm.wake_up()
     assert httpx.get(f"{server.url}/info").json()["state"] == "ready"
-    p = prompts(6)[2]
+    p = mixed_prompts(6)[2]
     got = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
     assert list(got) == oracle({"model": name, "prompts": [p], "max_tokens": 8}, home)[0]["tokens"]
