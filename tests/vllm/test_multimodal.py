@@ -51,8 +51,7 @@ def test_features_convert_to_the_wire_and_back() -> None:
 def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_dir) -> None:
     """transformers' image processor (what vLLM's processor calls) and mlx-vlm's, on the same image:
     within 1e-6. (Qwen2-VL: its PIL image processor; the whole processor needs torchvision here.)"""
-    if not _vision_in_sidecar_venv():
-        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    _need_vision()
     from PIL import Image
     from transformers import AutoProcessor
 
@@ -69,14 +68,15 @@ def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_di
     assert np.abs(got.reshape(ref.shape) - ref).max() <= 1e-6
 
 
-def _vision_in_sidecar_venv() -> bool:
-    return subprocess.run([MAIN_PYTHON, "-c", "import mlx_vlm"], capture_output=True).returncode == 0
+def _need_vision() -> None:
+    """Skip unless the sidecar's venv has the vision extra (`make test-vllm` installs it)."""
+    if subprocess.run([MAIN_PYTHON, "-c", "import mlx_vlm"], capture_output=True).returncode != 0:
+        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
 
 
 @pytest.fixture(scope="module")
 def engine(home: str, vllm_model_dir):
-    if not _vision_in_sidecar_venv():
-        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    _need_vision()
     from vllm import LLM
 
     from tests.server.serverproc import start_server
@@ -183,8 +183,7 @@ def test_chat_completions_with_an_image_data_url(engine) -> None:
 
 def test_openai_chat_completions_with_an_image_data_url(home: str, vllm_model_dir, tmp_path) -> None:
     """The OpenAI server's /v1/chat/completions, image_url content as a data URL (no network)."""
-    if not _vision_in_sidecar_venv():
-        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    _need_vision()
     from tests.server.serverproc import start_server
 
     want, _ = _image(9, (90, 70))
@@ -209,8 +208,7 @@ def test_requests_with_images_survive_a_sidecar_restart(home: str, vllm_model_di
     worker class refills their KV with the images encoded again (the pixels vLLM sent once), the
     streams end with mlx-vlm's tokens, and a repeat of one request hits the refilled blocks past
     its image in vLLM's prefix cache and still gives mlx-vlm's tokens."""
-    if not _vision_in_sidecar_venv():
-        pytest.skip("the vision extra is not installed in the sidecar's venv (make install-vision)")
+    _need_vision()
     import signal
     import threading
     import time
