@@ -50,7 +50,6 @@ from sidecar.server.rpc import METHODS, MLXThread, bind_kwargs
 from sidecar.server.startup import preload, progress_reporter
 from sidecar.server.shutdown import drain, exit_when_idle
 from sidecar.server.state import Sidecar
-from sidecar.wire.steps import fingerprint
 from sidecar.worker.mlx_worker import MLXWorker, State
 
 log = logging.getLogger("sidecar.rpc")
@@ -126,7 +125,7 @@ def create_app(config: Config, *, worker: MLXWorker | None = None, registry: Col
             else:
                 kwargs = decode_body(body, in_type)
             step_id = kwargs.get("step_id") if method == "execute_model" else None
-            call = bind_kwargs(sc.worker, method, kwargs, sc.steps, fingerprint(method, body, kwargs))
+            call = bind_kwargs(sc.worker, method, kwargs, sc.steps, body)
             timing: list[float] = []
             if step_id is not None:
                 await sc.sequencer.turn(step_id)

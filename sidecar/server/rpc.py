@@ -23,10 +23,10 @@ METHODS = tuple(ALLOWED)
 
 
 def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger | None = None,
-                fingerprint: bytes = b"") -> Callable[[], Any]:
+                body: bytes = b"") -> Callable[[], Any]:
     """Check kwargs against the method's signature (400 naming the field) and return the call.
     A null argument means the parameter's default. With `steps`, step methods take an optional
-    `step_id` (exactly-once retries, see wire/steps.py); `fingerprint` identifies the body."""
+    `step_id` (exactly-once retries, see wire/steps.py); `body` is the call's, which a resend must repeat."""
     fn = getattr(worker, method)
     params = _parameters(fn)
     step_id = step_id_of(kwargs, method) if steps is not None else None
@@ -42,7 +42,7 @@ def bind_kwargs(worker: MLXWorker, method: str, kwargs: dict, steps: StepLedger 
     if steps is None:
         return lambda: to_wire(fn(**kwargs))
     if method in STEP_METHODS:
-        return lambda: steps.run(step_id, method, lambda: to_wire(fn(**kwargs)), fingerprint)
+        return lambda: steps.run(step_id, method, lambda: to_wire(fn(**kwargs)), body)
 
     def call() -> Any:
         result = to_wire(fn(**kwargs))

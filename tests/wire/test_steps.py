@@ -85,3 +85,15 @@ def test_a_resend_must_repeat_the_body() -> None:
     with pytest.raises(StepConflict) as e:
         led.run(1, "execute_model", run, b"another body")
     assert "different execute_model body" in e.value.message and e.value.last_step_id == 1 and run.calls == 1
+
+
+def test_a_resend_is_compared_byte_for_byte() -> None:
+    """A big body that differs from the kept one in its last byte only is another body; an equal
+    copy (a new bytes object, as a resend reads it) is the same step."""
+    led, run = StepLedger(), Counter()
+    body = bytes(range(256)) * 4096
+    led.run(7, "execute_model", run, body)
+    assert led.run(7, "execute_model", run, bytes(bytearray(body))) == {"n": 1} and run.calls == 1
+    with pytest.raises(StepConflict):
+        led.run(7, "execute_model", run, body[:-1] + b"\x00")
+    assert run.calls == 1
