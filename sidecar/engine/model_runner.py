@@ -150,10 +150,10 @@ class ModelRunner:
         self.overlap.flush()  # the last step's decode-ahead, if no server queued it after its reply
         t0 = time.perf_counter()
         multistep.check(out, defer_sampling)
-        mm_plan = self.mm.plan(out, self.requests) if self.mm else refuse_images(out, type(self.model).__module__)
         plan = plan_step(self.requests, out, num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
                          vocab_size=self.vocab_size, max_model_len=self.max_model_len, loras=self.lora.adapters.keys(),
                          state_groups=self.state_groups, num_groups=len(self.groups), pooling=self.pooling)
+        mm_plan = self.mm.plan(out, self.requests, plan.rows) if self.mm else refuse_images(out, type(self.model).__module__)
         tier = self._tier_prepare(plan, out)
         restore = self._apply(plan)
         try:
@@ -161,7 +161,7 @@ class ModelRunner:
                 self.overlap.clear()  # a queued decode must not run on blocks about to be loaded
                 self.kv_tier.load(self.pool, tier)
             if self.mm is not None:
-                self.mm.apply(mm_plan)
+                restore = self.mm.apply(mm_plan, restore)
             logits, prompt_lp = self._logits(plan.rows)
             if defer_sampling:
                 if logits is not None:

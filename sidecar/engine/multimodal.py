@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -46,6 +46,21 @@ class _Request:
 
     def __post_init__(self) -> None:
         self.end = max((f.mm_position.offset + f.mm_position.length for f in self.features), default=0)
+
+
+def _taken(req: _Request, start: int, n: int):
+    """Each item whose encoder output the chunk [start, start + n) takes: (index, item, the chunk's
+    positions in its placeholder, which of them are embeddings, the placeholder's is_embed)."""
+    for j, f in enumerate(req.features):
+        r = f.mm_position
+        lo, hi = max(r.offset, start), min(r.offset + r.length, start + n)
+        if lo >= hi:
+            continue
+        embed = np.ones(r.length, bool) if r.is_embed is None else np.asarray(r.is_embed)
+        at = np.arange(lo, hi)
+        keep = embed[at - r.offset]
+        if keep.any():  # (none: no embedding in this chunk, and vLLM schedules no encoder input for it)
+            yield j, f, at, keep, embed
 
 
 @dataclass
@@ -81,8 +96,9 @@ class Multimodal:
         self.requests.clear()
         self.cache.clear()
 
-    def plan(self, out: SchedulerOutput, requests: dict[str, RequestState]) -> MMPlan:
-        """Validate the step's multimodal part; raises ProtocolError naming the field."""
+    def plan(self, out: SchedulerOutput, requests: dict[str, RequestState], rows: list[Row]) -> MMPlan:
+        """Validate the step's multimodal part; raises ProtocolError naming the field. Runs after
+        the planner has checked the step (its prompts' token ids reach mlx-vlm's position code)."""
         m = self.model
         plan = MMPlan(free=list(out.encoder.free_encoder_mm_hashes), finished=list(out.finished_req_ids))
         for i, nr in enumerate(out.scheduled_new_reqs):
@@ -123,10 +139,34 @@ class Multimodal:
                 if (f.identifier not in self.cache or f.identifier in freed) and f.identifier not in queued:
                     queued.add(f.identifier)
                     plan.encode.append(f)
+        readable = (set(self.cache) - freed) | queued  # the outputs this step's chunks can take
+        for row in rows:
+            rid = row.state.req_id
+            req = plan.new.get(rid) or self.requests.get(rid)
+            for j, f, at, _, _ in _taken(req, row.start, len(row.token_ids)) if req and row.start < req.end else ():
+                if f.identifier not in readable:
+                    raise ProtocolError(f"the encoder output of item {j} of {rid!r} is needed at positions "
+                                        f"[{at[0]}, {at[-1] + 1}) but was never scheduled (or was freed)",
+                                        field="scheduled_encoder_inputs")
         return plan
 
-    def apply(self, plan: MMPlan) -> None:
-        """Free, register, encode: vLLM's order. The encoder runs here, timed."""
+    def apply(self, plan: MMPlan, restore: Callable[[], None]) -> Callable[[], None]:
+        """Free, register, encode: vLLM's order. The encoder runs here, timed. Returns `restore`
+        (the step's roll-back) extended to undo this too; a failure here undoes it itself."""
+        saved = dict(self.cache), dict(self.requests)
+
+        def undo() -> None:
+            self.cache, self.requests = saved
+            restore()
+
+        try:
+            self._apply(plan)
+        except BaseException:
+            self.cache, self.requests = saved
+            raise
+        return undo
+
+    def _apply(self, plan: MMPlan) -> None:
         for h in plan.free:
             if self.cache.pop(h, None) is not None:
                 self.stats.evictions += 1
@@ -180,24 +220,10 @@ class Multimodal:
                 pos[:, b, :n] = np.where(idx < P, req.positions[:, np.minimum(idx, P - 1)], idx + req.delta)
             if s >= req.end:
                 continue
-            for j, f in enumerate(req.features):
-                r = f.mm_position
-                lo, hi = max(r.offset, s), min(r.offset + r.length, s + n)
-                if lo >= hi:
-                    continue
-                embed = np.ones(r.length, bool) if r.is_embed is None else np.asarray(r.is_embed)
-                at = np.arange(lo, hi)
-                keep = embed[at - r.offset]
-                if not keep.any():  # no embedding in this chunk (vLLM schedules no encoder input for it)
-                    continue
-                out = self.cache.get(f.identifier)
-                if out is None:
-                    raise ProtocolError(f"the encoder output of item {j} of {row.state.req_id!r} is needed at "
-                                        f"positions [{lo}, {hi}) but was never scheduled (or was freed)",
-                                        field="scheduled_encoder_inputs")
+            for _, f, at, keep, embed in _taken(req, s, n):  # (plan checked that each output is cached)
                 which = np.cumsum(embed) - 1  # encoder row of each placeholder position
                 dst.append(b * L + at[keep] - s)
-                src.append(out[mx.array(which[at[keep] - r.offset])])
+                src.append(self.cache[f.identifier][mx.array(which[at[keep] - f.mm_position.offset])])
         embeds = None
         if dst:
             embeds = m.embed(mx.array(ids))

@@ -9,6 +9,7 @@ grid implies, the placeholder tokens) need the model and live in engine/multimod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,19 +73,19 @@ def tensor(d: Any, path: str) -> np.ndarray:
     if not isinstance(d, dict):
         raise _fail("expected a map {dtype, shape, data}", path)
     dtype = d.get("dtype")
-    if dtype not in DTYPES:
-        raise _fail(f"dtype {dtype!r} is not one of {sorted(DTYPES)}", f"{path}.dtype")
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise _fail(f"dtype {repr(dtype)[:40]} is not one of {sorted(DTYPES)}", f"{path}.dtype")
     shape = d.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise _fail(f"expected a list of at most {MAX_DIMS} dimensions", f"{path}.shape")
     for i, n in enumerate(shape):
-        if _int(n, f"{path}.shape[{i}]") < 0:
-            raise _fail("a dimension must be >= 0", f"{path}.shape[{i}]")
+        if not 0 <= _int(n, f"{path}.shape[{i}]") <= MAX_TENSOR_BYTES:
+            raise _fail(f"a dimension must be in [0, {MAX_TENSOR_BYTES}]", f"{path}.shape[{i}]")
     data = d.get("data")
     if not isinstance(data, bytes):
         raise _fail("expected binary (raw array bytes)", f"{path}.data")
     itemsize = np.dtype(DTYPES[dtype]).itemsize
-    want = int(np.prod(shape, dtype=np.int64)) * itemsize
+    want = math.prod(shape) * itemsize  # (exact: a product of client-sent dimensions must not wrap)
     if want > MAX_TENSOR_BYTES:
         raise _fail(f"{want} bytes exceed the bound of {MAX_TENSOR_BYTES}", f"{path}.shape")
     if len(data) != want:

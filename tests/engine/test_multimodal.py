@@ -127,8 +127,10 @@ def test_preempted_and_recomputed_after_its_encoder_output_was_freed(worker, sea
 
 
 def _step(worker, ids, feat, sched=None, rid="x"):
+    """A new request's step, valid but for what a test changes (the last blocks of the pool of 96)."""
+    blocks = list(range(96 - -(-len(ids) // worker.config.block_size), 96))
     return {"scheduled_new_reqs": [{"req_id": rid, "prompt_token_ids": ids, "sampling_params": {"temperature": 0.0},
-                                    "block_ids": [list(range(90, 93))], "num_computed_tokens": 0, "mm_features": [feat]}],
+                                    "block_ids": [blocks], "num_computed_tokens": 0, "mm_features": [feat]}],
             "num_scheduled_tokens": {rid: len(ids)}, "total_num_scheduled_tokens": len(ids),
             "scheduled_encoder_inputs": {rid: [0]} if sched is None else sched}
 
@@ -174,6 +176,93 @@ def test_scheduled_items_must_exist(worker, sea):
     with pytest.raises(ProtocolError) as e:
         worker.execute_model(_step(worker, ids, feat, {}))
     assert e.value.field == "scheduled_encoder_inputs" and not worker.runner.requests
+
+
+def _mm_state(worker) -> tuple:
+    r = worker.runner
+    return ({rid: (s.num_computed_tokens, tuple(s.output_token_ids)) for rid, s in r.requests.items()},
+            dict(r.mm.cache), dict(r.mm.requests), r.mm.stats.runs)
+
+
+def test_a_prompt_token_out_of_range_is_refused_before_its_positions_are_computed(worker, sea):
+    """The planner checks the prompt first: mlx-vlm's position code never sees the id."""
+    ids, data, _ = sea
+    fresh(worker)
+    for bad in (2**31, -1, worker.runner.vocab_size):
+        prompt = [*ids[:-1], bad]
+        with pytest.raises(ProtocolError) as e:
+            worker.execute_model(_step(worker, prompt, feature(prompt, data, "s", tok(worker))))
+        assert e.value.field.startswith("scheduled_new_reqs[0].prompt_token_ids") and not worker.runner.requests
+
+
+def test_an_output_no_chunk_may_take_is_refused_before_the_encoder_runs(worker, sea, path):
+    """b's chunk reaches its image, which is neither cached nor scheduled; a's is scheduled."""
+    ids, data, _ = sea
+    ids_b, data_b = prepare(path, "Another picture.", image(1))
+    d = fresh(worker)
+    d.add_mm("a", ids, [feature(ids, data, "ia", tok(worker))])
+    d.add_mm("b", ids_b, [feature(ids_b, data_b, "ib", tok(worker))])
+    so = d.build(chunk=64)
+    so["scheduled_encoder_inputs"] = {"a": [0]}
+    before = _mm_state(worker)
+    with pytest.raises(ProtocolError) as e:
+        worker.execute_model(so)
+    assert e.value.field == "scheduled_encoder_inputs" and "'b'" in e.value.message
+    assert _mm_state(worker) == before  # no request, no output, no encoder run
+
+
+def test_a_step_failing_after_its_encoder_run_leaves_the_image_state_as_it_was(worker, sea, monkeypatch):
+    ids, data, want = sea
+    d = fresh(worker)
+    d.add("keep", [5, 6, 7, 8])
+    d.step()
+    d.add_mm("a", ids, [feature(ids, data, "ia", tok(worker))])
+    so = d.build(chunk=64)
+    before = _mm_state(worker)
+    with monkeypatch.context() as m:
+        m.setattr(type(worker.runner), "_logits", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+        with pytest.raises(RuntimeError, match="injected"):
+            worker.execute_model(so)
+    after = _mm_state(worker)
+    assert after[:3] == before[:3] and after[3] == before[3] + 1  # the encoder ran; nothing of it stayed
+    d.commit(so, worker.execute_model(so).to_wire())  # the same step, now whole
+    assert d.run(N)["a"] == want
+
+
+def test_corrupted_image_steps_are_accepted_or_refused_naming_a_field_and_change_nothing(worker, path):
+    """Random corruptions (tests/engine/test_fuzz.py's) of steps bringing two images and text,
+    in chunks that split the images: each one runs, or is a 400 naming a field with nothing changed."""
+    import random
+
+    from tests.engine.test_fuzz import _mutate
+
+    rng = random.Random(7)
+    items = [prepare(path, f"Picture {k}.", image(k)) for k in range(2)]
+
+    def new_driver() -> MMDriver:
+        d = fresh(worker)
+        for k, (ids, data) in enumerate(items):
+            d.add_mm(f"i{k}", ids, [feature(ids, data, f"h{k}", tok(worker))])
+        d.add("t", [5, 6, 7, 8, 9])
+        return d
+
+    d, accepted, refused = new_driver(), 0, 0
+    for it in range(160):
+        if it % 8 == 0:
+            d = new_driver()
+        so = d.build(chunk=rng.choice([5, 7, 16, 64]))
+        bad = _mutate(_mutate(so, rng), rng) if rng.random() < 0.3 else _mutate(so, rng)
+        before = _mm_state(worker)
+        try:
+            worker.execute_model(bad)
+        except ProtocolError as e:
+            assert e.status == 400 and e.field and _mm_state(worker) == before, (e.field, e.message)
+            refused += 1
+            d.commit(so, worker.execute_model(so).to_wire())
+            continue
+        accepted += 1  # (an ignored field, or another valid value)
+        d = new_driver()
+    assert refused > 100 and accepted > 0
 
 
 def test_a_text_model_refuses_images_by_name(make_worker, sea):

@@ -26,7 +26,11 @@ def test_a_tensor_round_trips_exactly():
 
 @pytest.mark.parametrize("change, field", [
     ({"dtype": "complex64"}, "t.dtype"),
+    ({"dtype": {"a": 1}}, "t.dtype"),  # (not a name: no lookup may fail on it)
+    ({"dtype": ["float32"]}, "t.dtype"),
     ({"shape": [3, -4]}, "t.shape[1]"),
+    ({"shape": [1 << 28, 1 << 28, 1 << 8], "data": b""}, "t.shape"),  # 2^64 elements: wraps to 0 in int64
+    ({"shape": [1 << 100, 0], "data": b""}, "t.shape[0]"),  # zero elements, but no such dimension
     ({"shape": [3, 5]}, "t.data"),  # 60 bytes wanted, 48 sent
     ({"shape": [1 << 20, 1 << 20]}, "t.shape"),  # over the bound: refused before any allocation
     ({"data": "not bytes"}, "t.data"),
