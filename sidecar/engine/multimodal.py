@@ -143,7 +143,9 @@ class Multimodal:
         for row in rows:
             rid = row.state.req_id
             req = plan.new.get(rid) or self.requests.get(rid)
-            for j, f, at, _, _ in _taken(req, row.start, len(row.token_ids)) if req and row.start < req.end else ():
+            if req is None or row.start >= req.end:
+                continue
+            for j, f, at, _, _ in _taken(req, row.start, len(row.token_ids)):
                 if f.identifier not in readable:
                     raise ProtocolError(f"the encoder output of item {j} of {rid!r} is needed at positions "
                                         f"[{at[0]}, {at[-1] + 1}) but was never scheduled (or was freed)",
