@@ -155,6 +155,8 @@ class Multimodal:
     def apply(self, plan: MMPlan, restore: Callable[[], None]) -> Callable[[], None]:
         """Free, register, encode: vLLM's order. The encoder runs here, timed. Returns `restore`
         (the step's roll-back) extended to undo this too; a failure here undoes it itself."""
+        if not (plan.free or plan.finished or plan.new or plan.encode):
+            return restore  # (a step of decodes and text: nothing to do or undo)
         saved = dict(self.cache), dict(self.requests)
 
         def undo() -> None:
