@@ -228,11 +228,13 @@ class Multimodal:
                 which = np.cumsum(embed) - 1  # encoder row of each placeholder position
                 dst.append(b * L + at[keep] - s)
                 src.append(self.cache[f.identifier][mx.array(which[at[keep] - f.mm_position.offset])])
-        embeds = None
+        embeds = visual = None
         if dst:
             embeds = m.embed(mx.array(ids))
             D = embeds.shape[-1]
             flat = embeds.reshape(B * L, D)
-            flat[mx.array(np.concatenate(dst))] = mx.concatenate(src).astype(flat.dtype)
+            at, rows = np.concatenate(dst), mx.concatenate(src)
+            flat[mx.array(at)] = rows[:, :D].astype(flat.dtype)
             embeds = flat.reshape(B, L, D)
-        m.bind(embeds, mx.array(pos) if m.mrope else None)
+            visual = (at, rows[:, D:]) if rows.shape[-1] > D else None
+        m.bind(embeds, mx.array(pos) if m.mrope else None, visual)

@@ -4,7 +4,7 @@
 an mlx-lm model (`model(tokens, cache=...)`), with the input embeddings (and, for M-RoPE families,
 the positions) of the next call set beforehand by engine/multimodal.py (`bind`). Each family says
 what its encoder takes (`check`), runs it (`encode`: the rows its own `get_input_embeddings`
-writes into the token embeddings) and, for Qwen2-VL and Qwen2.5-VL, computes positions with mlx-vlm's own
+writes into the token embeddings) and, for the Qwen-VL families, computes positions with mlx-vlm's own
 `get_rope_index`. Checkpoints of other multimodal families keep being served as text-only
 models through mlx-lm when mlx-lm has their text half (a request with an image is then refused
 naming the family), and are refused by name at load_model when it has not (`unserved`).
@@ -71,7 +71,7 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         self.language_model = vlm.language_model  # logits_at selects rows inside its decoder
         self.family = config["model_type"]
-        object.__setattr__(self, "_next", None)  # (embeddings, positions) of the next call, from bind
+        object.__setattr__(self, "_next", None)  # (embeddings, positions, visual) of the next call, from bind
 
     @property
     def decoder(self) -> nn.Module:
@@ -95,11 +95,18 @@ class VisionLanguageModel(nn.Module):
     def embed(self, ids: mx.array) -> mx.array:
         return self.decoder.embed_tokens(ids)
 
-    def bind(self, embeds: mx.array | None, positions: mx.array | None) -> None:
-        object.__setattr__(self, "_next", (embeds, positions))
+    def bind(self, embeds: mx.array | None, positions: mx.array | None,
+             visual: tuple[np.ndarray, mx.array] | None = None) -> None:
+        """`visual`: the flat batch positions [N] of the encoder rows merged into `embeds` and those
+        rows' columns past the embedding width, for a family whose encoder gives more (deepstack)."""
+        object.__setattr__(self, "_next", (embeds, positions, visual))
+
+    def deepstack(self, visual: tuple[np.ndarray, mx.array] | None, shape: tuple[int, int]) -> dict:
+        """The decoder's keyword arguments for the visual rows beyond the input embeddings (none here)."""
+        return {}
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        embeds, positions = self._next or (None, None)
+        embeds, positions, visual = self._next or (None, None, None)
         object.__setattr__(self, "_next", None)
         if not self.mrope:
             return self.language_model(inputs, inputs_embeds=embeds, cache=cache).logits
@@ -111,7 +118,8 @@ class VisionLanguageModel(nn.Module):
         # bookkeeping before them reads the cache offset back from the device (a sync in the
         # middle of building every forward) to slice positions we give whole.
         lm = self.language_model
-        h = lm.model(inputs, cache=cache, inputs_embeds=embeds, position_ids=positions)
+        h = lm.model(inputs, cache=cache, inputs_embeds=embeds, position_ids=positions,
+                     **self.deepstack(visual, inputs.shape))
         return lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
 
     image_token_id: int
@@ -180,6 +188,32 @@ class Qwen2VL(VisionLanguageModel):
         if pos.ndim == 2:  # no image: plain positions
             return np.tile(np.arange(len(prompt), dtype=np.int32), (3, 1)), 0
         return np.array(pos[:, 0, :]).astype(np.int32), int(np.array(delta).reshape(-1)[0])
+
+
+class Qwen3VL(Qwen2VL):
+    """Qwen3-VL: Qwen2-VL's inputs (patches of 16) and interleaved M-RoPE; its tower also gives one
+    "deepstack" feature per listed block, added to the hidden states at the image positions after
+    the first decoder layers. The encoder output keeps them as extra columns of each row, so the
+    cache, the chunk slicing and the merge treat them as one."""
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        dtype = self.vision_tower.patch_embed.proj.weight.dtype
+        grid = mx.array(data["image_grid_thw"].reshape(1, 3).astype(np.int32))
+        features, deep = self.vision_tower(mx.array(data["pixel_values"]).astype(dtype), grid)
+        return mx.concatenate([features, *deep], axis=-1)
+
+    def deepstack(self, visual: tuple[np.ndarray, mx.array] | None, shape: tuple[int, int]) -> dict:
+        if visual is None:
+            return {}
+        at, rows = visual
+        order = np.argsort(at, kind="stable")  # mlx-vlm takes the rows in the mask's order
+        mask = np.zeros(shape[0] * shape[1], bool)
+        mask[at] = True
+        rows = rows[mx.array(order)]
+        K = len(self.vision_tower.deepstack_visual_indexes)
+        D = rows.shape[-1] // K
+        return {"visual_pos_masks": mx.array(mask.reshape(shape)),
+                "deepstack_visual_embeds": [rows[:, k * D:(k + 1) * D] for k in range(K)]}
 
 
 class Gemma3(VisionLanguageModel):
@@ -255,5 +289,5 @@ class Idefics3(VisionLanguageModel):
 
 
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
-SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "gemma3": Gemma3,
-                                                 "idefics3": Idefics3}
+SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL,
+                                                 "gemma3": Gemma3, "idefics3": Idefics3}

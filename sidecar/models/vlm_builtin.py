@@ -30,7 +30,6 @@ QWEN_CHAT_TEMPLATE = (
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112  # 4x4 .. 8x8 patches of 14: 4 .. 16 tokens after 2x2 merging
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,8 @@ class VLMSpec:
 
 
 VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qwen2.5-vl": VLMSpec("qwen2_5_vl"),
-                                  "tiny-gemma3-vl": VLMSpec("gemma3"), "tiny-idefics3": VLMSpec("idefics3"),
+                                  "tiny-qwen3-vl": VLMSpec("qwen3_vl"), "tiny-gemma3-vl": VLMSpec("gemma3"),
+                                  "tiny-idefics3": VLMSpec("idefics3"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
@@ -82,19 +82,24 @@ def write_vlm(name: str, dest: Path, train: Callable[[int], Tokenizer], seed: in
 
 def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     family = VLM_MODELS[name].model_type
-    if family.startswith("qwen2"):
+    if family.startswith("qwen"):
         return _qwen_vl(train, family, VLM_MODELS[name].small)
     return {"gemma3": _gemma3, "idefics3": _idefics3}[family](train)
 
 
 # Qwen2.5-VL's vision tower differs from Qwen2-VL's: RMSNorm and SwiGLU blocks, windowed attention
 # (windows of 56 pixels: 2x2 merged tokens, so an image of up to 4x4 tokens spans several) with
-# full attention in the blocks listed, and a merger projecting to the text width.
+# full attention in the blocks listed, and a merger projecting to the text width. Qwen3-VL's: patches
+# of 16, learned position embeddings interpolated to the grid, and "deepstack" mergers whose outputs
+# are added to the hidden states after the first decoder layers (one per listed block).
 QWEN_VISION = {
     "qwen2_vl": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
     "qwen2_5_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
                    "hidden_act": "silu", "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2},
+    "qwen3_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
+                 "hidden_act": "gelu_pytorch_tanh", "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
 }
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 # builtin:small-qwen2.5-vl, for benchmarks: Qwen2.5-VL-7B's cost proportions at a size MLX's CPU
 # backend prefills in about a second. Per token its language model costs 1.18M multiply-adds
 # (7B: 6.5G); per image token (4 patches of 14 pixels, merged 2x2) its tower costs
@@ -112,8 +117,10 @@ QWEN_SMALL = {
 
 
 def _qwen_vl(train: Callable[[int], Tokenizer], family: str, small: bool = False) -> dict[str, dict]:
-    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[family]
-    max_pixels = QWEN_SMALL["max_pixels"] if small else MAX_PIXELS
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[family]
+    qwen3, patch = family == "qwen3_vl", PATCH[family]
+    # 4x4 .. 8x8 patches: 4 .. 16 tokens after 2x2 merging
+    min_pixels, max_pixels = (4 * patch) ** 2, QWEN_SMALL["max_pixels"] if small else (8 * patch) ** 2
     tok = train(512)
     tok.post_processor = None  # Qwen tokenizers add no BOS: the template carries every marker
     tok.add_special_tokens(list(QWEN_TOKENS))
@@ -123,14 +130,17 @@ def _qwen_vl(train: Callable[[int], Tokenizer], family: str, small: bool = False
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "hidden_act": "silu", "vocab_size": vocab, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-        # M-RoPE: head_dim 16 -> 8 frequencies split over (temporal, height, width)
+        # M-RoPE: head_dim 16 -> 8 frequencies split over (temporal, height, width); Qwen3-VL
+        # interleaves them (t h w t h w t t), as its real sections [24, 20, 20] of 64 do
         "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
         "torch_dtype": "float32", "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
         **(QWEN_SMALL["text"] if small else {}),
+        **({"head_dim": 16, "rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2],
+                                             "mrope_interleaved": True}} if qwen3 else {}),
     }
     vision = {
-        "model_type": family, **(QWEN_SMALL["vision"] if small else QWEN_VISION[family]), "in_channels": 3, "in_chans": 3, "patch_size": 14,
-        "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "model_type": family, **(QWEN_SMALL["vision"] if small else QWEN_VISION[family]), "in_channels": 3, "in_chans": 3,
+        "patch_size": patch, "spatial_patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2,
     }
     config = {
         "architectures": [processor.replace("Processor", "ForConditionalGeneration")], "model_type": family, **text,
@@ -138,13 +148,13 @@ def _qwen_vl(train: Callable[[int], Tokenizer], family: str, small: bool = False
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
     }
+    mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
     image = {
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-        "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": MIN_PIXELS, "max_pixels": max_pixels,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "rescale_factor": 1 / 255, "image_mean": mean, "image_std": std, "min_pixels": min_pixels, "max_pixels": max_pixels,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
     }
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": processor,

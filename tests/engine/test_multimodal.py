@@ -1,5 +1,6 @@
-"""Images through the worker against mlx-vlm's own generate on builtin:tiny-qwen2-vl and
-builtin:tiny-qwen2.5-vl (fp32, greedy; Qwen2.5-VL's tower attends in windows of 2x2 merged tokens):
+"""Images through the worker against mlx-vlm's own generate on builtin:tiny-qwen2-vl,
+builtin:tiny-qwen2.5-vl and builtin:tiny-qwen3-vl (fp32, greedy; Qwen2.5-VL's tower attends in
+windows of 2x2 merged tokens, Qwen3-VL's adds deepstack features in the first decoder layers):
 chunked prefill splitting the image, batching with text, prefix caching after the image,
 preemption, the encoder cache's accounting, and bad inputs (4xx naming the field, nothing changes)."""
 
@@ -12,14 +13,14 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import GEMMA, IDEFICS, MODEL, QWEN25, MMDriver, feature, image, oracle, prepare
+from tests.vision import GEMMA, IDEFICS, MODEL, QWEN3, QWEN25, MMDriver, feature, image, oracle, prepare
 
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 
 N = 8
 
 
-@pytest.fixture(scope="module", params=[MODEL, QWEN25])
+@pytest.fixture(scope="module", params=[MODEL, QWEN25, QWEN3])
 def model(request):
     return request.param
 
@@ -50,12 +51,12 @@ def tok(worker) -> int:
     return worker.runner.mm.model.image_token_id
 
 
-@pytest.mark.parametrize("chunk", [64, 7])
-def test_greedy_tokens_equal_mlx_vlm_generate(worker, sea, chunk):
-    """chunk 7 splits the image's 12 placeholder positions over three chunks."""
+@pytest.mark.parametrize("split", [False, True])
+def test_greedy_tokens_equal_mlx_vlm_generate(worker, sea, split):
+    """`split`: chunks that cut the image's placeholder positions (Qwen2-VL's 12 over three chunks of 7)."""
     ids, data, want = sea
-    off = ids.index(tok(worker))
-    assert off % chunk + ids.count(tok(worker)) > chunk or chunk == 64  # the split really happens
+    off, n = ids.index(tok(worker)), ids.count(tok(worker))
+    chunk = next(c for c in (7, 5, 4, 3) if off % c + n > c) if split else 64  # the split really happens
     d = fresh(worker)
     d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))])
     assert d.run(N, chunk=chunk)["a"] == want
@@ -92,10 +93,12 @@ def test_batched_with_text_and_a_repeated_image_shares_one_encoder_run(worker, s
     assert d2.run(N)["text"] == out["text"]
 
 
-def test_prefix_cached_after_the_image(worker, sea):
-    """A second request reusing the first's blocks for its first 32 prompt tokens (image included)
-    computes only the tail: no encoder run, the same tokens; its item comes without pixels."""
-    ids, data, want = sea
+def test_prefix_cached_after_the_image(worker, path):
+    """A second request reusing the first's whole blocks of the prompt (the image first, inside
+    them) computes only the tail: no encoder run, the same tokens; its item comes without pixels."""
+    text = "Describe the sea, then the sky."
+    ids, data = prepare(path, text, image(0), image_first=True)
+    want = oracle(path, text, image(0), N, image_first=True)
     d = fresh(worker)
     a = d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))])
     assert d.run(N)["a"] == want
@@ -341,3 +344,26 @@ def test_a_chunk_of_only_non_embedding_placeholder_positions_needs_no_encoder_ou
     assert so["scheduled_encoder_inputs"] == {}
     d.commit(so, worker.execute_model(so).to_wire())
     assert d.run(N, chunk=off)["a"] == want
+
+
+
+def test_qwen3_vl_deepstack_features_matter(home, make_worker, monkeypatch):
+    """Negative control: Qwen3-VL without its deepstack features (the image's rows merged into the
+    input embeddings only) gives other log-probabilities than with them, which give mlx-vlm's tokens."""
+    from sidecar.models.vision import Qwen3VL
+
+    path = resolve_model(QWEN3, home)
+    worker = make_worker(QWEN3, num_blocks=96)
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    want = oracle(path, "Describe the sea.", image(0), N)
+
+    def run():
+        d = fresh(worker)
+        d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))], sampling={"temperature": 0.0, "logprobs": 0})
+        return d.run(N)["a"], d.reqs["a"].logprobs
+
+    tokens, with_deep = run()
+    assert tokens == want
+    monkeypatch.setattr(Qwen3VL, "deepstack", lambda self, visual, shape: {})
+    _, without = run()
+    assert np.abs(np.array(with_deep) - np.array(without)).max() > 1e-3
