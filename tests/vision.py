@@ -18,6 +18,7 @@ pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is no
 MODEL = "builtin:tiny-qwen2-vl"
 QWEN25 = "builtin:tiny-qwen2.5-vl"
 QWEN3 = "builtin:tiny-qwen3-vl"
+QWEN3_MOE = "builtin:tiny-qwen3-vl-moe"
 GEMMA = "builtin:tiny-gemma3-vl"
 IDEFICS = "builtin:tiny-idefics3"
 # Each family's prompt around a user turn ({}: its content) and its image marker.
@@ -25,7 +26,7 @@ PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
            "gemma3": "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
            "idefics3": "<|begin_of_text|>User:{}<end_of_utterance>\nAssistant:"}
 IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>", "idefics3": "<image>"}
-for _qwen in ("qwen2_5_vl", "qwen3_vl"):
+for _qwen in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
     PROMPTS[_qwen], IMAGES[_qwen] = PROMPTS["qwen2_vl"], IMAGES["qwen2_vl"]
 
 

@@ -191,7 +191,7 @@ class Qwen2VL(VisionLanguageModel):
 
 
 class Qwen3VL(Qwen2VL):
-    """Qwen3-VL: Qwen2-VL's inputs (patches of 16) and interleaved M-RoPE; its tower also gives one
+    """Qwen3-VL and Qwen3-VL-MoE: Qwen2-VL's inputs (patches of 16) and interleaved M-RoPE; its tower also gives one
     "deepstack" feature per listed block, added to the hidden states at the image positions after
     the first decoder layers. The encoder output keeps them as extra columns of each row, so the
     cache, the chunk slicing and the merge treat them as one."""
@@ -289,5 +289,5 @@ class Idefics3(VisionLanguageModel):
 
 
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
-SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL,
+SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL,
                                                  "gemma3": Gemma3, "idefics3": Idefics3}

@@ -40,7 +40,8 @@ class VLMSpec:
 
 
 VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qwen2.5-vl": VLMSpec("qwen2_5_vl"),
-                                  "tiny-qwen3-vl": VLMSpec("qwen3_vl"), "tiny-gemma3-vl": VLMSpec("gemma3"),
+                                  "tiny-qwen3-vl": VLMSpec("qwen3_vl"), "tiny-qwen3-vl-moe": VLMSpec("qwen3_vl_moe"),
+                                  "tiny-gemma3-vl": VLMSpec("gemma3"),
                                   "tiny-idefics3": VLMSpec("idefics3"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
@@ -99,7 +100,11 @@ QWEN_VISION = {
     "qwen3_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
                  "hidden_act": "gelu_pytorch_tanh", "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
 }
-PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+QWEN_VISION["qwen3_vl_moe"] = QWEN_VISION["qwen3_vl"]
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+# Qwen3-VL-MoE's decoder: every layer's MLP is 4 experts, 2 per token.
+QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+             "moe_intermediate_size": 32, "norm_topk_prob": True}
 # builtin:small-qwen2.5-vl, for benchmarks: Qwen2.5-VL-7B's cost proportions at a size MLX's CPU
 # backend prefills in about a second. Per token its language model costs 1.18M multiply-adds
 # (7B: 6.5G); per image token (4 patches of 14 pixels, merged 2x2) its tower costs
@@ -117,8 +122,9 @@ QWEN_SMALL = {
 
 
 def _qwen_vl(train: Callable[[int], Tokenizer], family: str, small: bool = False) -> dict[str, dict]:
-    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[family]
-    qwen3, patch = family == "qwen3_vl", PATCH[family]
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
+                 "qwen3_vl_moe": "Qwen3VLProcessor"}[family]
+    qwen3, patch = family.startswith("qwen3"), PATCH[family]
     # 4x4 .. 8x8 patches: 4 .. 16 tokens after 2x2 merging
     min_pixels, max_pixels = (4 * patch) ** 2, QWEN_SMALL["max_pixels"] if small else (8 * patch) ** 2
     tok = train(512)
@@ -137,13 +143,15 @@ def _qwen_vl(train: Callable[[int], Tokenizer], family: str, small: bool = False
         **(QWEN_SMALL["text"] if small else {}),
         **({"head_dim": 16, "rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2],
                                              "mrope_interleaved": True}} if qwen3 else {}),
+        **(QWEN3_MOE if family == "qwen3_vl_moe" else {}),
     }
     vision = {
         "model_type": family, **(QWEN_SMALL["vision"] if small else QWEN_VISION[family]), "in_channels": 3, "in_chans": 3,
         "patch_size": patch, "spatial_patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2,
     }
     config = {
-        "architectures": [processor.replace("Processor", "ForConditionalGeneration")], "model_type": family, **text,
+        "architectures": [processor.replace("Processor", "MoeForConditionalGeneration" if family.endswith("moe") else
+                                            "ForConditionalGeneration")], "model_type": family, **text,
         "text_config": {"model_type": f"{family}_text", **text}, "vision_config": vision,
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],

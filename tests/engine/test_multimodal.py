@@ -1,6 +1,7 @@
 """Images through the worker against mlx-vlm's own generate on builtin:tiny-qwen2-vl,
-builtin:tiny-qwen2.5-vl and builtin:tiny-qwen3-vl (fp32, greedy; Qwen2.5-VL's tower attends in
-windows of 2x2 merged tokens, Qwen3-VL's adds deepstack features in the first decoder layers):
+builtin:tiny-qwen2.5-vl, builtin:tiny-qwen3-vl and builtin:tiny-qwen3-vl-moe (fp32, greedy;
+Qwen2.5-VL's tower attends in windows of 2x2 merged tokens, Qwen3-VL's adds deepstack features in
+the first decoder layers):
 chunked prefill splitting the image, batching with text, prefix caching after the image,
 preemption, the encoder cache's accounting, and bad inputs (4xx naming the field, nothing changes)."""
 
@@ -13,14 +14,14 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import GEMMA, IDEFICS, MODEL, QWEN3, QWEN25, MMDriver, feature, image, oracle, prepare
+from tests.vision import GEMMA, IDEFICS, MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature, image, oracle, prepare
 
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 
 N = 8
 
 
-@pytest.fixture(scope="module", params=[MODEL, QWEN25, QWEN3])
+@pytest.fixture(scope="module", params=[MODEL, QWEN25, QWEN3, QWEN3_MOE])
 def model(request):
     return request.param
 

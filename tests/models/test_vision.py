@@ -14,21 +14,21 @@ from sidecar.models.vision import SERVED, is_served, model_type
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import MODEL, QWEN3, QWEN25, image, prepare  # noqa: E402
+from tests.vision import MODEL, QWEN3, QWEN3_MOE, QWEN25, image, prepare  # noqa: E402
 
 
 def test_only_served_vision_families_take_images(home, tmp_path):
     assert is_served(resolve_model(MODEL, home)) and "qwen2_vl" in SERVED
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
     assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
-    assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"}
+    assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
     assert model_type(other) == "llava" and not is_served(other)  # its text half serves; images refused by name
 
 
-@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3])
+@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE])
 def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worker, home, model):
     """The adapter's logits for a whole prompt with an image equal mlx-vlm's Model.__call__
     (Qwen3-VL's with its deepstack rows; without them they differ: the negative control)."""
@@ -51,7 +51,7 @@ def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worke
     D, at = flat.shape[-1], np.nonzero(mask)[0]
     flat[mx.array(at)] = enc[:, :D]
     deep = (at, enc[:, D:]) if enc.shape[-1] > D else None
-    assert (deep is not None) == (model == QWEN3)
+    assert (deep is not None) == (model in (QWEN3, QWEN3_MOE))
     m.bind(flat[None], mx.array(pos[:, None, :]), deep)
     got = m(mx.array([ids]))
     assert np.abs(np.array(got) - np.array(want.logits)).max() < 1e-4

@@ -15,7 +15,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import GEMMA, IDEFICS, MODEL, QWEN3, QWEN25, image, prepare  # noqa: E402
+from tests.vision import GEMMA, IDEFICS, MODEL, QWEN3, QWEN3_MOE, QWEN25, image, prepare  # noqa: E402
 
 
 def test_resolves_and_is_deterministic(home, tmp_path):
@@ -23,8 +23,8 @@ def test_resolves_and_is_deterministic(home, tmp_path):
     assert {"config.json", "preprocessor_config.json", "tokenizer.json", "model.safetensors"} <= {
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
-    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-gemma3-vl", "tiny-idefics3",
-                                "small-qwen2.5-vl"]
+    assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-gemma3-vl",
+                                "tiny-idefics3", "small-qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25])
@@ -40,12 +40,14 @@ def test_the_processor_expands_the_image_token_by_the_grid(home, model):
     assert {t["content"] for t in tok["added_tokens"]} >= set(QWEN_TOKENS)
 
 
-def test_qwen3_vl_takes_patches_of_16_into_a_deepstack_tower(home):
+@pytest.mark.parametrize("model", [QWEN3, QWEN3_MOE])
+def test_qwen3_vl_takes_patches_of_16_into_a_deepstack_tower(home, model):
     """mlx-vlm's own Qwen3-VL processor and model: 64 to 128 pixels a side in patches of 16 (4 to
-    16 tokens after merging), a tower giving deepstack features for the blocks listed."""
+    16 tokens after merging), a tower giving deepstack features for the blocks listed; the MoE
+    variant is its own family, with experts in its decoder."""
     from mlx_vlm.utils import load_model
 
-    path = resolve_model(QWEN3, home)
+    path = resolve_model(model, home)
     config = json.loads((path / "config.json").read_text())
     for size in [(80, 100), (40, 40), (300, 300)]:
         ids, data = prepare(path, "Hi", image(1, size))
@@ -53,8 +55,11 @@ def test_qwen3_vl_takes_patches_of_16_into_a_deepstack_tower(home):
         assert t == 1 and 4 <= h <= 8 and 4 <= w <= 8 and h % 2 == w % 2 == 0
         assert ids.count(config["image_token_id"]) == h * w // 4
         assert data["pixel_values"].shape == (h * w, 3 * 2 * 16 * 16)
-    tower = load_model(path).vision_tower
-    assert type(tower).__module__.endswith("qwen3_vl.vision") and tower.deepstack_visual_indexes == [0, 1]
+    vlm = load_model(path)
+    family = config["model_type"]
+    assert family == ("qwen3_vl_moe" if model == QWEN3_MOE else "qwen3_vl")
+    assert type(vlm.vision_tower).__module__.endswith(f"{family}.vision") and vlm.vision_tower.deepstack_visual_indexes == [0, 1]
+    assert ("SparseMoe" in type(vlm.language_model.model.layers[0].mlp).__name__) == (model == QWEN3_MOE)
 
 
 def test_gemma3_images_are_four_soft_tokens_between_markers(home):
