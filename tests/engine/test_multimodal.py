@@ -94,6 +94,20 @@ def test_batched_with_text_and_a_repeated_image_shares_one_encoder_run(worker, s
     assert d2.run(N)["text"] == out["text"]
 
 
+def test_two_images_in_one_batch_each_give_their_own_tokens(worker, path, sea):
+    """Two requests with different images (of different sizes) prefilled in the same step: each
+    row takes its own encoder rows (and, on Qwen3-VL, its own deepstack rows)."""
+    ids, data, want = sea
+    text = "Describe the sea."
+    other_ids, other = prepare(path, text, image(5, (120, 64)))
+    assert other_ids != ids  # another grid: another placeholder length
+    d = fresh(worker)
+    d.add_mm("b", other_ids, [feature(other_ids, other, "other", tok(worker))])
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))])
+    out = d.run(N, chunk=64)
+    assert out["a"] == want and out["b"] == oracle(path, text, image(5, (120, 64)), N)
+
+
 def test_prefix_cached_after_the_image(worker, path):
     """A second request reusing the first's whole blocks of the prompt (the image first, inside
     them) computes only the tail: no encoder run, the same tokens; its item comes without pixels."""
