@@ -21,11 +21,13 @@ QWEN3 = "builtin:tiny-qwen3-vl"
 QWEN3_MOE = "builtin:tiny-qwen3-vl-moe"
 GEMMA = "builtin:tiny-gemma3-vl"
 IDEFICS = "builtin:tiny-idefics3"
+MISTRAL = "builtin:tiny-mistral3"
 # Each family's prompt around a user turn ({}: its content) and its image marker.
 PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
            "gemma3": "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
-           "idefics3": "<|begin_of_text|>User:{}<end_of_utterance>\nAssistant:"}
-IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>", "idefics3": "<image>"}
+           "idefics3": "<|begin_of_text|>User:{}<end_of_utterance>\nAssistant:", "mistral3": "<s>[INST]{}[/INST]"}
+IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>", "idefics3": "<image>",
+          "mistral3": "[IMG]"}
 for _qwen in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
     PROMPTS[_qwen], IMAGES[_qwen] = PROMPTS["qwen2_vl"], IMAGES["qwen2_vl"]
 
@@ -70,6 +72,8 @@ def prepare(path: Path, text: str, img, image_first: bool = False) -> tuple[list
     if "pixel_attention_mask" in inputs:  # idefics3: [1, tiles, ...] for the one image
         data = {"pixel_values": data["pixel_values"][0],
                 "pixel_attention_mask": np.array(inputs["pixel_attention_mask"], np.int64)[0]}
+    if "image_sizes" in inputs:  # mistral3: the image's (height, width)
+        data["image_sizes"] = np.array(inputs["image_sizes"], np.int64).reshape(-1)
     if "image_grid_thw" in inputs:
         data["image_grid_thw"] = np.array(inputs["image_grid_thw"], np.int64).reshape(-1)
     return ids, data
@@ -126,3 +130,24 @@ class MMDriver(Driver):
                     sched.setdefault(rid, []).append(j)
         so["scheduled_encoder_inputs"], so["free_encoder_mm_hashes"], self.to_free = sched, self.to_free, []
         return so
+
+
+def fresh(worker) -> MMDriver:
+    """A driver over a new pool of 96 blocks for a worker made with num_blocks=96."""
+    worker.initialize_cache(96, 0)  # a new pool: no request, no block, no encoder output from a previous test
+    assert not worker.runner.mm.cache and not worker.runner.mm.requests
+    return MMDriver(worker.execute_model, worker.config.block_size, 96)
+
+
+def tok(worker) -> int:
+    """The served model's image token."""
+    return worker.runner.mm.model.image_token_id
+
+
+def new_step(worker, ids, feat, sched=None, rid="x"):
+    """A new request's step, valid but for what a test changes (the last blocks of the pool of 96)."""
+    blocks = list(range(96 - -(-len(ids) // worker.config.block_size), 96))
+    return {"scheduled_new_reqs": [{"req_id": rid, "prompt_token_ids": ids, "sampling_params": {"temperature": 0.0},
+                                    "block_ids": [blocks], "num_computed_tokens": 0, "mm_features": [feat]}],
+            "num_scheduled_tokens": {rid: len(ids)}, "total_num_scheduled_tokens": len(ids),
+            "scheduled_encoder_inputs": {rid: [0]} if sched is None else sched}

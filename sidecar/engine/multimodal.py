@@ -111,13 +111,15 @@ class Multimodal:
                 if (span[embed] != m.image_token_id).any():
                     raise ProtocolError(f"the placeholder's positions must hold the image token {m.image_token_id}",
                                         field=f"{path}.mm_position")
-                # vLLM strips the tensors of an item whose placeholder its prefix cache covers
-                # (an M-RoPE model keeps the grid): no chunk computes those positions.
+                # vLLM strips the pixels of an item whose placeholder its prefix cache covers (an
+                # M-RoPE model keeps the grid, other families may keep their small tensors): no
+                # chunk computes those positions. Nor do an encoder-cached item's need them.
                 covered = r.offset + r.length <= nr.num_computed_tokens
-                if f.data is None and not covered and f.identifier not in self.cache:
+                pixels = "pixel_values" in (f.data or {})
+                if not pixels and not covered and f.identifier not in self.cache:
                     raise ProtocolError("the item's processed tensors are missing", field=f"{path}.data")
-                if f.data is not None or m.mrope:
-                    m.check(f.data or {}, r.num_embeds, path, tensors=not covered or "pixel_values" in (f.data or {}))
+                if pixels or m.mrope:
+                    m.check(f.data or {}, r.num_embeds, path, tensors=pixels)
                 grids.append((f.data or {}).get("image_grid_thw"))
             req = _Request(list(nr.mm_features))
             if m.mrope:

@@ -66,6 +66,7 @@ class VisionLanguageModel(nn.Module):
     """mlx-vlm's model as the runner sees a text model; its vision tower runs through `encode`."""
 
     mrope = False  # positions from the request (bind) rather than from the cache offset
+    rows_apart = False  # the decoder is exact on one row at a time only (the paged cache's probe reads this)
 
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__()
@@ -288,6 +289,63 @@ class Idefics3(VisionLanguageModel):
         return out.reshape(-1, out.shape[-1])
 
 
+class Mistral3(VisionLanguageModel):
+    """Mistral 3 (Mistral Small 3.x): Pixtral's tower over the image at its own aspect ratio, a
+    patch merger, and rows of [IMG] tokens each closed by [IMG_BREAK] ([IMG_END] after the last):
+    the breaks are placeholder positions that are not embeddings (`is_embed`)."""
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__(vlm, config)
+        self.vision_tower = vlm.vision_tower
+        self.projector = vlm.multi_modal_projector
+        self.feature_layer = int(vlm.vision_feature_layer)
+        self.image_token_id = int(vlm.config.image_token_index)
+        vc = vlm.config.vision_config
+        self.unit = int(vc.patch_size) * int(vlm.config.spatial_merge_size)  # pixels a side of one embedding
+        self.channels, self.max_side = int(vc.num_channels), int(vc.image_size)
+        # mlx-vlm's Ministral 3 decoder scales attention past the original context by the first
+        # row's positions, for every row of a batch.
+        beta = (getattr(vlm.language_model.config, "rope_parameters", None) or {}).get("llama_4_scaling_beta")
+        self.rows_apart = bool(beta) and vlm.language_model.model_type != "mistral"
+
+    def _size(self, data: dict[str, np.ndarray], path: str) -> tuple[int, int]:
+        """(H, W) of the image: `image_sizes` when sent (the unpadded part of pixel_values), else its shape."""
+        pv = data["pixel_values"]
+        H, W = (int(x) for x in pv.shape[-2:])
+        sizes = data.get("image_sizes")
+        if sizes is None:
+            return H, W
+        if sizes.dtype.kind not in "iu" or sizes.size != 2:
+            raise ProtocolError("expected 2 integers (height, width)", field=f"{path}.data.image_sizes")
+        h, w = (int(x) for x in sizes.reshape(-1))
+        if not (0 < h <= H and 0 < w <= W):
+            raise ProtocolError(f"{[h, w]} is not inside pixel_values' {[H, W]}", field=f"{path}.data.image_sizes")
+        return h, w
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
+        """pixel_values [1, C, H, W] float, H and W multiples of patch x merge up to the tower's
+        image size; optional image_sizes (h, w); (h/unit) x (w/unit) embeddings."""
+        (pv,) = _need(data, ("pixel_values",), self.family, path)
+        if pv.dtype.kind != "f" or pv.ndim not in (3, 4) or pv.shape[-3] != self.channels or (pv.ndim == 4 and pv.shape[0] != 1):
+            raise ProtocolError(f"expected a float array of shape [1, {self.channels}, H, W], got {pv.dtype.name} "
+                                f"{list(pv.shape)}", field=f"{path}.data.pixel_values")
+        h, w = self._size(data, path)
+        if h % self.unit or w % self.unit or max(h, w) > self.max_side:
+            raise ProtocolError(f"height and width must be multiples of {self.unit} up to {self.max_side}, got "
+                                f"{[h, w]}", field=f"{path}.data.pixel_values")
+        if (h // self.unit) * (w // self.unit) != num_embeds:
+            raise ProtocolError(f"an image of {[h, w]} gives {(h // self.unit) * (w // self.unit)} embeddings, the "
+                                f"placeholder takes {num_embeds}", field=f"{path}.mm_position")
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        """As Mistral3's get_input_embeddings: the chosen layer's patches, merged and projected."""
+        h, w = self._size(data, "")
+        pv = mx.array(data["pixel_values"].reshape(1, self.channels, *data["pixel_values"].shape[-2:]))[:, :, :h, :w]
+        *_, hidden = self.vision_tower(pv.transpose(0, 2, 3, 1), output_hidden_states=True, image_sizes=[(h, w)])
+        out = self.projector(hidden[self.feature_layer], [(h, w)])
+        return out.reshape(-1, out.shape[-1])
+
+
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
 SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL,
-                                                 "gemma3": Gemma3, "idefics3": Idefics3}
+                                                 "gemma3": Gemma3, "idefics3": Idefics3, "mistral3": Mistral3}

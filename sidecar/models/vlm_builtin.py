@@ -41,8 +41,8 @@ class VLMSpec:
 
 VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qwen2.5-vl": VLMSpec("qwen2_5_vl"),
                                   "tiny-qwen3-vl": VLMSpec("qwen3_vl"), "tiny-qwen3-vl-moe": VLMSpec("qwen3_vl_moe"),
-                                  "tiny-gemma3-vl": VLMSpec("gemma3"),
-                                  "tiny-idefics3": VLMSpec("idefics3"),
+                                  "tiny-gemma3-vl": VLMSpec("gemma3"), "tiny-idefics3": VLMSpec("idefics3"),
+                                  "tiny-mistral3": VLMSpec("mistral3"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
@@ -85,7 +85,7 @@ def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     family = VLM_MODELS[name].model_type
     if family.startswith("qwen"):
         return _qwen_vl(train, family, VLM_MODELS[name].small)
-    return {"gemma3": _gemma3, "idefics3": _idefics3}[family](train)
+    return {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3}[family](train)
 
 
 # Qwen2.5-VL's vision tower differs from Qwen2-VL's: RMSNorm and SwiGLU blocks, windowed attention
@@ -247,6 +247,57 @@ def _idefics3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
             "processor_config.json": {"processor_class": "Idefics3Processor", "image_seq_len": 4},
             "tokenizer.json": json.loads(tok.to_str()),
             "generation_config.json": {"eos_token_id": config["eos_token_id"], "do_sample": False}}
+
+
+MISTRAL_TOKENS = ("<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+MISTRAL_CHAT_TEMPLATE = (
+    "<s>{% for m in messages %}{% if m['role'] == 'user' %}[INST]"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}[IMG]{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}[/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
+MISTRAL_IMAGE = 112  # the longest edge: up to 8x8 patches of 14, merged 2x2: up to 4x4 tokens, a break after each row
+
+
+def _mistral3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    """Mistral 3's layout (Ministral 3, Mistral Small 3.x): Pixtral's tower (2-D RoPE over any aspect ratio), a patch merger,
+    and rows of [IMG] tokens closed by [IMG_BREAK] (the last by [IMG_END]) in the prompt."""
+    tok = train(512)
+    tok.post_processor = None  # the chat template writes <s>
+    tok.add_special_tokens(list(MISTRAL_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in MISTRAL_TOKENS}
+    # Ministral 3's decoder: attention scaled up past the original context (16 positions here,
+    # so the tests' prompts cross it; 16384 in the real ones)
+    text = {"model_type": "ministral3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": tok.get_vocab_size(),
+            "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "llama_4_scaling_beta": 0.5,
+                                "original_max_position_embeddings": 16},
+            "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "head_dim": 16, "image_size": MISTRAL_IMAGE, "patch_size": 14,
+              "num_channels": 3, "rope_theta": 10000.0, "hidden_act": "silu"}
+    config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": text,
+              "vision_config": vision, "image_token_index": ids["[IMG]"], "spatial_merge_size": 2,
+              "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "vision_feature_layer": -1,
+              "vocab_size": tok.get_vocab_size(), "hidden_size": 64, "bos_token_id": ids["<s>"],
+              "eos_token_id": ids["</s>"], "torch_dtype": "float32"}
+    image = {"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+             "do_convert_rgb": True, "do_resize": True, "size": {"longest_edge": MISTRAL_IMAGE}, "resample": 3,
+             "patch_size": {"height": 14, "width": 14}, "do_rescale": True, "rescale_factor": 1 / 255,
+             "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+             "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "PixtralProcessor", "bos_token": "<s>",
+        "eos_token": "</s>", "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "chat_template": MISTRAL_CHAT_TEMPLATE,
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "processor_config.json": {"processor_class": "PixtralProcessor", "image_token": "[IMG]",
+                                      "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+                                      "patch_size": 14, "spatial_merge_size": 2},
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": ids["</s>"], "do_sample": False}}
 
 
 def _write_weights(config: dict, path: Path, seed: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import GEMMA, IDEFICS, MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature, image, oracle, prepare
+from tests.vision import MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature, fresh, image, new_step, oracle, prepare, tok
 
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 
@@ -40,16 +40,6 @@ def worker(make_worker, model):
 def sea(path):
     ids, data = prepare(path, "Describe the sea.", image(0))
     return ids, data, oracle(path, "Describe the sea.", image(0), N)
-
-
-def fresh(worker) -> MMDriver:
-    worker.initialize_cache(96, 0)  # a new pool: no request, no block, no encoder output from a previous test
-    assert not worker.runner.mm.cache and not worker.runner.mm.requests
-    return MMDriver(worker.execute_model, worker.config.block_size, 96)
-
-
-def tok(worker) -> int:
-    return worker.runner.mm.model.image_token_id
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -144,15 +134,6 @@ def test_preempted_and_recomputed_after_its_encoder_output_was_freed(worker, sea
     assert worker.runner.mm.stats.runs == runs + 1 and worker.runner.mm.stats.evictions == evictions + 1
 
 
-def _step(worker, ids, feat, sched=None, rid="x"):
-    """A new request's step, valid but for what a test changes (the last blocks of the pool of 96)."""
-    blocks = list(range(96 - -(-len(ids) // worker.config.block_size), 96))
-    return {"scheduled_new_reqs": [{"req_id": rid, "prompt_token_ids": ids, "sampling_params": {"temperature": 0.0},
-                                    "block_ids": [blocks], "num_computed_tokens": 0, "mm_features": [feat]}],
-            "num_scheduled_tokens": {rid: len(ids)}, "total_num_scheduled_tokens": len(ids),
-            "scheduled_encoder_inputs": {rid: [0]} if sched is None else sched}
-
-
 @pytest.mark.parametrize("change, field", [
     (lambda f: f["data"]["pixel_values"].update(dtype="int32"), "pixel_values"),
     (lambda f: f["data"]["pixel_values"].update(data=b"\0" * 8), "pixel_values.data"),
@@ -175,7 +156,7 @@ def test_bad_items_are_refused_naming_the_field_and_change_nothing(worker, sea, 
     change(feat)
     before = (set(worker.runner.requests), set(worker.runner.mm.cache), set(worker.runner.mm.requests))
     with pytest.raises(ProtocolError) as e:
-        worker.execute_model(_step(worker, ids, feat))
+        worker.execute_model(new_step(worker, ids, feat))
     assert field in e.value.field and e.value.field.startswith("scheduled_new_reqs[0].mm_features[0]")
     assert (set(worker.runner.requests), set(worker.runner.mm.cache), set(worker.runner.mm.requests)) == before
     assert d.run(3)["keep"]  # the other request goes on
@@ -187,12 +168,12 @@ def test_scheduled_items_must_exist(worker, sea):
     feat = feature(ids, data, "s", tok(worker))
     for sched, field in [({"x": [1]}, "scheduled_encoder_inputs.x[0]"), ({"nobody": [0]}, "scheduled_encoder_inputs.nobody")]:
         with pytest.raises(ProtocolError) as e:
-            worker.execute_model(_step(worker, ids, feat, sched))
+            worker.execute_model(new_step(worker, ids, feat, sched))
         assert e.value.field == field
         assert not worker.runner.requests
     # never scheduled: the placeholder has no encoder output to take
     with pytest.raises(ProtocolError) as e:
-        worker.execute_model(_step(worker, ids, feat, {}))
+        worker.execute_model(new_step(worker, ids, feat, {}))
     assert e.value.field == "scheduled_encoder_inputs" and not worker.runner.requests
 
 
@@ -209,7 +190,7 @@ def test_a_prompt_token_out_of_range_is_refused_before_its_positions_are_compute
     for bad in (2**31, -1, worker.runner.vocab_size):
         prompt = [*ids[:-1], bad]
         with pytest.raises(ProtocolError) as e:
-            worker.execute_model(_step(worker, prompt, feature(prompt, data, "s", tok(worker))))
+            worker.execute_model(new_step(worker, prompt, feature(prompt, data, "s", tok(worker))))
         assert e.value.field.startswith("scheduled_new_reqs[0].prompt_token_ids") and not worker.runner.requests
 
 
@@ -288,46 +269,8 @@ def test_a_text_model_refuses_images_by_name(make_worker, sea):
     w = make_worker("builtin:tiny", num_blocks=96)
     feat = feature([7] * 12, data, "s", 7)
     with pytest.raises(ProtocolError) as e:
-        w.execute_model(_step(w, [7] * 12, feat))
+        w.execute_model(new_step(w, [7] * 12, feat))
     assert e.value.field == "scheduled_new_reqs[0].mm_features" and "llama" in str(e.value)
-
-
-@pytest.fixture(scope="module", params=[GEMMA, IDEFICS])
-def family(request, make_worker, home):
-    path = resolve_model(request.param, home)
-    w = make_worker(request.param, num_blocks=96)
-    return w, path
-
-
-@pytest.mark.parametrize("chunk", [64, 7])
-def test_families_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated_image(family, chunk):
-    """Gemma 3: sliding-window layers (window 8, shorter than the prompt), features scaled as its
-    get_input_embeddings does. Idefics3: 5 tiles of 4 embeddings inside a placeholder of 64
-    positions, is_embed marking them. Chunk 7 splits the images."""
-    w, path = family
-    ids, data = prepare(path, "Describe the sea.", image(0))
-    want = oracle(path, "Describe the sea.", image(0), N)
-    other_ids, other = prepare(path, "Describe the sea.", image(3))
-    d = fresh(w)
-    runs = w.runner.mm.stats.runs
-    d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
-    d.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
-    d.add_mm("b", ids, [feature(ids, data, "sea", tok(w))])
-    d.add_mm("c", other_ids, [feature(other_ids, other, "sea3", tok(w))])
-    out = d.run(N, chunk=chunk)
-    assert out["a"] == want and out["b"] == want
-    assert out["c"] == oracle(path, "Describe the sea.", image(3), N) != want
-    assert w.runner.mm.stats.runs == runs + 2
-
-
-def test_families_refuse_pixels_of_another_size(family):
-    w, path = family
-    ids, data = prepare(path, "Describe the sea.", image(0))
-    fresh(w)
-    feat = feature(ids, {"pixel_values": np.zeros((1, 3, 28, 28), np.float32)}, "small", tok(w))
-    with pytest.raises(ProtocolError) as e:
-        w.execute_model(_step(w, ids, feat))
-    assert e.value.field == "scheduled_new_reqs[0].mm_features[0].data.pixel_values" and not w.runner.requests
 
 
 def test_sleep_level_2_and_wake_up_serve_images_again(make_worker, model, sea):
@@ -359,26 +302,3 @@ def test_a_chunk_of_only_non_embedding_placeholder_positions_needs_no_encoder_ou
     assert so["scheduled_encoder_inputs"] == {}
     d.commit(so, worker.execute_model(so).to_wire())
     assert d.run(N, chunk=off)["a"] == want
-
-
-
-def test_qwen3_vl_deepstack_features_matter(home, make_worker, monkeypatch):
-    """Negative control: Qwen3-VL without its deepstack features (the image's rows merged into the
-    input embeddings only) gives other log-probabilities than with them, which give mlx-vlm's tokens."""
-    from sidecar.models.vision import Qwen3VL
-
-    path = resolve_model(QWEN3, home)
-    worker = make_worker(QWEN3, num_blocks=96)
-    ids, data = prepare(path, "Describe the sea.", image(0))
-    want = oracle(path, "Describe the sea.", image(0), N)
-
-    def run():
-        d = fresh(worker)
-        d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))], sampling={"temperature": 0.0, "logprobs": 0})
-        return d.run(N)["a"], d.reqs["a"].logprobs
-
-    tokens, with_deep = run()
-    assert tokens == want
-    monkeypatch.setattr(Qwen3VL, "deepstack", lambda self, visual, shape: {})
-    _, without = run()
-    assert np.abs(np.array(with_deep) - np.array(without)).max() > 1e-3

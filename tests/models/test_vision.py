@@ -1,4 +1,7 @@
-"""Which checkpoints take images, and mlx-vlm's model code behind the runner's model interface."""
+"""Which checkpoints take images, mlx-vlm's model code behind the runner's model interface, and each
+family's adapter through the worker against mlx-vlm's own generate: Gemma 3, Idefics3 and Mistral 3
+(the Qwen-VL families run the whole engine suite, tests/engine/test_multimodal.py), Qwen3-VL's
+deepstack rows."""
 
 from __future__ import annotations
 
@@ -14,14 +17,18 @@ from sidecar.models.vision import SERVED, is_served, model_type
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import MODEL, QWEN3, QWEN3_MOE, QWEN25, image, prepare  # noqa: E402
+from sidecar.errors import ProtocolError  # noqa: E402
+from tests.vision import (GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, feature, fresh,  # noqa: E402
+                          image, new_step, oracle, prepare, tok)
+
+N = 8
 
 
 def test_only_served_vision_families_take_images(home, tmp_path):
     assert is_served(resolve_model(MODEL, home)) and "qwen2_vl" in SERVED
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
     assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
-    assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3"}
+    assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "mistral3"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
@@ -58,3 +65,136 @@ def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worke
     if deep is not None:
         m.bind(flat[None], mx.array(pos[:, None, :]))
         assert np.abs(np.array(m(mx.array([ids]))) - np.array(want.logits)).max() > 1e-2
+
+
+def test_mistral3_runs_rows_apart_only_with_ministral3s_scaled_attention(make_worker, home, tmp_path):
+    """mlx-vlm's Ministral 3 decoder scales a batch by its first row's positions: one row at a time
+    (exact); a plain Mistral decoder (no such scaling) batches, with the forward queued ahead."""
+    import shutil
+
+    scaled = make_worker(MISTRAL, num_blocks=16)
+    assert scaled.runner.caches.scalar_offsets and not scaled.runner.decode_ahead
+    plain = tmp_path / "mistral3-plain"
+    shutil.copytree(resolve_model(MISTRAL, home), plain)
+    config = json.loads((plain / "config.json").read_text())
+    config["text_config"]["model_type"] = "mistral"
+    (plain / "config.json").write_text(json.dumps(config))
+    w = make_worker(str(plain), num_blocks=16)
+    assert not w.runner.caches.scalar_offsets and w.runner.decode_ahead
+
+
+@pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL])
+def family(request, make_worker, home):
+    path = resolve_model(request.param, home)
+    w = make_worker(request.param, num_blocks=96)
+    return w, path
+
+
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_families_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated_image(family, chunk):
+    """Gemma 3: sliding-window layers (window 8, shorter than the prompt), features scaled as its
+    get_input_embeddings does. Idefics3: 5 tiles of 4 embeddings inside a placeholder of 64
+    positions, is_embed marking them. Mistral 3: 3 rows of 4 embeddings, each row closed by a
+    break token (not an embedding). Chunk 7 splits the images."""
+    w, path = family
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    want = oracle(path, "Describe the sea.", image(0), N)
+    other_ids, other = prepare(path, "Describe the sea.", image(3))
+    d = fresh(w)
+    runs = w.runner.mm.stats.runs
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
+    d.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    d.add_mm("b", ids, [feature(ids, data, "sea", tok(w))])
+    d.add_mm("c", other_ids, [feature(other_ids, other, "sea3", tok(w))])
+    out = d.run(N, chunk=chunk)
+    assert out["a"] == want and out["b"] == want
+    assert out["c"] == oracle(path, "Describe the sea.", image(3), N) != want
+    assert w.runner.mm.stats.runs == runs + 2
+    d2 = fresh(w)  # the text request alone gives the same tokens (batching changes nothing)
+    d2.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    assert d2.run(N)["text"] == out["text"]
+
+
+def test_families_prefix_cached_item_without_its_pixels(family):
+    """An item the prefix-cache hit covers whole comes without its pixels, keeping the family's
+    other tensors (Idefics3's pixel mask, Mistral 3's image size) or none: no encoder run, the
+    same tokens."""
+    w, path = family
+    text = "Describe the sea, then the sky, and then the ships on it."
+    ids, data = prepare(path, text, image(0), image_first=True)
+    d = fresh(w)
+    a = d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
+    want = d.run(N)["a"]
+    assert want == oracle(path, text, image(0), N, image_first=True)
+    bs = w.config.block_size
+    hit = (len(ids) - 1) // bs * bs
+    item = feature(ids, {k: v for k, v in data.items() if k != "pixel_values"}, "sea", tok(w))
+    assert hit >= item["mm_position"]["offset"] + item["mm_position"]["length"]  # the image is inside the hit
+    item["data"] = item["data"] or None
+    runs = w.runner.mm.stats.runs
+    d.add_mm("b", ids, [item], blocks=a.blocks[: hit // bs] + d.alloc(4), computed=hit)
+    assert d.run(N)["b"] == want and w.runner.mm.stats.runs == runs
+
+
+def test_families_refuse_pixels_of_another_size(family):
+    w, path = family
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    fresh(w)
+    feat = feature(ids, {"pixel_values": np.zeros((1, 3, 30, 30), np.float32)}, "small", tok(w))
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(new_step(w, ids, feat))
+    assert e.value.field == "scheduled_new_reqs[0].mm_features[0].data.pixel_values" and not w.runner.requests
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.update(image_sizes=np.array([84, 100])), "data.pixel_values"),  # not a multiple of 28
+    (lambda d: d.update(image_sizes=np.array([84, 140])), "data.image_sizes"),  # wider than the pixels
+    (lambda d: d.update(image_sizes=np.array([84.0, 112.0])), "data.image_sizes"),
+    (lambda d: d.update(image_sizes=np.array([84, 112, 1])), "data.image_sizes"),
+    (lambda d: d.update(image_sizes=np.array([56, 112])), "mm_position"),  # 8 embeddings for a placeholder of 12
+    (lambda d: d.update(pixel_values=np.zeros((1, 3, 84, 140), np.float32), image_sizes=np.array([84, 140])),
+     "data.pixel_values"),  # wider than the tower's 112
+    (lambda d: d.update(pixel_values=np.zeros((2, 3, 84, 112), np.float32)), "data.pixel_values"),
+])
+def test_mistral3_bad_image_sizes_are_refused_naming_the_field(make_worker, home, change, field):
+    w = make_worker(MISTRAL, num_blocks=96)
+    ids, data = prepare(resolve_model(MISTRAL, home), "Describe the sea.", image(0))
+    assert data["image_sizes"].tolist() == [84, 112]
+    fresh(w)
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(new_step(w, ids, feature(ids, data, "bad", tok(w))))
+    assert e.value.field == f"scheduled_new_reqs[0].mm_features[0].{field}" and not w.runner.requests
+
+
+def test_mistral3_pixels_padded_past_image_sizes_give_the_same_tokens(make_worker, home):
+    """A batch processor pads every image to the largest; `image_sizes` says which part is the image."""
+    path = resolve_model(MISTRAL, home)
+    w = make_worker(MISTRAL, num_blocks=96)
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    padded = {**data, "pixel_values": np.pad(data["pixel_values"], ((0, 0), (0, 0), (0, 28), (0, 0)), constant_values=7.0)}
+    d = fresh(w)
+    d.add_mm("a", ids, [feature(ids, padded, "padded", tok(w))])
+    assert d.run(N)["a"] == oracle(path, "Describe the sea.", image(0), N)
+
+
+def test_qwen3_vl_deepstack_features_matter(home, make_worker, monkeypatch):
+    """Negative control: Qwen3-VL without its deepstack features (the image's rows merged into the
+    input embeddings only) gives other log-probabilities than with them, which give mlx-vlm's tokens."""
+    from sidecar.models.vision import Qwen3VL
+
+    path = resolve_model(QWEN3, home)
+    worker = make_worker(QWEN3, num_blocks=96)
+    ids, data = prepare(path, "Describe the sea.", image(0))
+    want = oracle(path, "Describe the sea.", image(0), N)
+
+    def run():
+        d = fresh(worker)
+        d.add_mm("a", ids, [feature(ids, data, "sea", tok(worker))], sampling={"temperature": 0.0, "logprobs": 0})
+        return d.run(N)["a"], d.reqs["a"].logprobs
+
+    tokens, with_deep = run()
+    assert tokens == want
+    monkeypatch.setattr(Qwen3VL, "deepstack", lambda self, visual, shape: {})
+    _, without = run()
+    assert np.abs(np.array(with_deep) - np.array(without)).max() > 1e-3

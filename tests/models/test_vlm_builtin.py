@@ -15,7 +15,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import GEMMA, IDEFICS, MODEL, QWEN3, QWEN3_MOE, QWEN25, image, prepare  # noqa: E402
+from tests.vision import GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, image, prepare  # noqa: E402
 
 
 def test_resolves_and_is_deterministic(home, tmp_path):
@@ -24,7 +24,7 @@ def test_resolves_and_is_deterministic(home, tmp_path):
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
     assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-gemma3-vl",
-                                "tiny-idefics3", "small-qwen2.5-vl"]
+                                "tiny-idefics3", "tiny-mistral3", "small-qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25])
@@ -84,6 +84,26 @@ def test_idefics3_images_are_tiles_of_four_tokens(home):
         assert ids.count(image_token) == 4 * tiles
         seen.add(tiles)
     assert len(seen) == 2
+
+
+def test_mistral3_images_are_rows_of_tokens_at_their_own_aspect_ratio(home):
+    """Pixtral's processor keeps the aspect ratio (the longest edge at most 112, both multiples of
+    28): h/28 rows of w/28 [IMG] tokens, a break after each row but the last, [IMG_END] after it."""
+    path = resolve_model(MISTRAL, home)
+    config = json.loads((path / "config.json").read_text())
+    tokens = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    brk, end = ({t["content"]: t["id"] for t in tokens}[n] for n in ("[IMG_BREAK]", "[IMG_END]"))
+    shapes = set()
+    for size in [(80, 100), (50, 200), (112, 56)]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        _, _, h, w = data["pixel_values"].shape
+        assert h % 28 == w % 28 == 0 and max(h, w) <= 112 and data["image_sizes"].tolist() == [h, w]
+        first = ids.index(config["image_token_index"])
+        rows = [[config["image_token_index"]] * (w // 28)] * (h // 28)
+        want = [t for r in rows for t in r + [brk]][:-1] + [end]
+        assert ids[first: first + len(want)] == want
+        shapes.add((h, w))
+    assert len(shapes) == 3
 
 
 def test_qwen2_5_vl_is_its_own_family_with_a_windowed_tower(home):
