@@ -167,14 +167,19 @@ def test_mistral3_bad_image_sizes_are_refused_naming_the_field(make_worker, home
     assert e.value.field == f"scheduled_new_reqs[0].mm_features[0].{field}" and not w.runner.requests
 
 
-def test_mistral3_pixels_padded_past_image_sizes_give_the_same_tokens(make_worker, home):
-    """A batch processor pads every image to the largest; `image_sizes` says which part is the image."""
+@pytest.mark.parametrize("form", ["padded", "vllm"])
+def test_mistral3_pixels_as_batch_processors_and_vllm_send_them_give_the_same_tokens(make_worker, home, form):
+    """padded: a batch processor pads every image to the largest, `image_sizes` says which part is
+    the image. vllm: vLLM sends each image cropped to its size, [3, h, w], without image_sizes."""
     path = resolve_model(MISTRAL, home)
     w = make_worker(MISTRAL, num_blocks=96)
     ids, data = prepare(path, "Describe the sea.", image(0))
-    padded = {**data, "pixel_values": np.pad(data["pixel_values"], ((0, 0), (0, 0), (0, 28), (0, 0)), constant_values=7.0)}
+    if form == "padded":
+        data = {**data, "pixel_values": np.pad(data["pixel_values"], ((0, 0), (0, 0), (0, 28), (0, 0)), constant_values=7.0)}
+    else:
+        data = {"pixel_values": data["pixel_values"][0]}
     d = fresh(w)
-    d.add_mm("a", ids, [feature(ids, padded, "padded", tok(w))])
+    d.add_mm("a", ids, [feature(ids, data, form, tok(w))])
     assert d.run(N)["a"] == oracle(path, "Describe the sea.", image(0), N)
 
 
