@@ -192,10 +192,10 @@ class Qwen2VL(VisionLanguageModel):
 
 
 class Qwen3VL(Qwen2VL):
-    """Qwen3-VL and Qwen3-VL-MoE: Qwen2-VL's inputs (patches of 16) and interleaved M-RoPE; its tower also gives one
-    "deepstack" feature per listed block, added to the hidden states at the image positions after
-    the first decoder layers. The encoder output keeps them as extra columns of each row, so the
-    cache, the chunk slicing and the merge treat them as one."""
+    """Qwen3-VL and Qwen3-VL-MoE: Qwen2-VL's inputs (patches of 16) and interleaved M-RoPE; the
+    tower also gives one "deepstack" feature per listed block, added to the hidden states at the
+    image positions after the first decoder layers. The encoder output keeps them as extra columns
+    of each row, so the cache, the chunk slicing and the merge treat them as one."""
 
     def encode(self, data: dict[str, np.ndarray]) -> mx.array:
         dtype = self.vision_tower.patch_embed.proj.weight.dtype
@@ -290,7 +290,7 @@ class Idefics3(VisionLanguageModel):
 
 
 class Mistral3(VisionLanguageModel):
-    """Mistral 3 (Mistral Small 3.x): Pixtral's tower over the image at its own aspect ratio, a
+    """Mistral 3 (Mistral Small 3.x, Ministral 3): Pixtral's tower over the image at its own aspect ratio, a
     patch merger, and rows of [IMG] tokens each closed by [IMG_BREAK] ([IMG_END] after the last):
     the breaks are placeholder positions that are not embeddings (`is_embed`)."""
 
@@ -323,10 +323,12 @@ class Mistral3(VisionLanguageModel):
         return h, w
 
     def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
-        """pixel_values [1, C, H, W] float, H and W multiples of patch x merge up to the tower's
-        image size; optional image_sizes (h, w); (h/unit) x (w/unit) embeddings."""
+        """pixel_values [1, C, H, W] or [C, H, W] float (vLLM's: cropped to the image); optional
+        image_sizes (h, w), the image's part of padded pixels; h and w multiples of patch x merge up
+        to the tower's image size; (h/unit) x (w/unit) embeddings."""
         (pv,) = _need(data, ("pixel_values",), self.family, path)
-        if pv.dtype.kind != "f" or pv.ndim not in (3, 4) or pv.shape[-3] != self.channels or (pv.ndim == 4 and pv.shape[0] != 1):
+        if (pv.dtype.kind != "f" or pv.ndim not in (3, 4) or pv.shape[-3] != self.channels
+                or (pv.ndim == 4 and pv.shape[0] != 1)):
             raise ProtocolError(f"expected a float array of shape [1, {self.channels}, H, W], got {pv.dtype.name} "
                                 f"{list(pv.shape)}", field=f"{path}.data.pixel_values")
         h, w = self._size(data, path)
@@ -347,5 +349,6 @@ class Mistral3(VisionLanguageModel):
 
 
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
-SERVED: dict[str, type[VisionLanguageModel]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL,
-                                                 "gemma3": Gemma3, "idefics3": Idefics3, "mistral3": Mistral3}
+SERVED: dict[str, type[VisionLanguageModel]] = {
+    "qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL, "gemma3": Gemma3,
+    "idefics3": Idefics3, "mistral3": Mistral3}
