@@ -17,7 +17,7 @@ from tests.server.serverproc import start_server
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import MODEL, image, oracle  # noqa: E402
+from tests.vision import GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, image, oracle  # noqa: E402
 
 N = 6
 
@@ -72,6 +72,35 @@ def test_the_same_image_under_another_question_reuses_the_kv_past_the_image(make
     assert out.num_cached_tokens >= end and w.runner.mm.stats.runs == runs
     assert "pixel_values" in seen[0]["mm_features"][0]["data"]
     assert set(seen[1]["mm_features"][0]["data"]) == {"image_grid_thw"}
+
+
+@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GEMMA, IDEFICS, MISTRAL])
+def test_two_images_of_different_sizes_in_one_request_equal_mlx_vlm_generate(make_worker, home, tmp_path, model):
+    """Both images' items in one prompt (M-RoPE positions past two grids, Qwen3-VL's deepstack rows
+    of two items in one row; two placeholder lengths where the family's depend on the size),
+    prefilled in chunks of 16 that split them."""
+    from mlx_vlm import generate
+    from PIL import Image
+
+    from sidecar.scheduler.images import _processor, prepare
+    from tests.vision import _model
+
+    path = resolve_model(model, home)
+    files = [_png(tmp_path, 1), _png(tmp_path, 2, (120, 64))]
+    text = "Compare the two pictures."
+    ids, features = prepare(path, text, files)
+    assert len(features) == 2 and features[0]["identifier"] != features[1]["identifier"]
+    w = make_worker(model, num_blocks=128)
+    sched = Scheduler(num_blocks=128, block_size=w.config.block_size, max_num_batched_tokens=16)
+    sched.add_request(Request("a", ids, {"temperature": 0.0}, max_tokens=N, ignore_eos=True, mm_features=features))
+    got = run(sched, lambda so: w.execute_model(so).to_wire())["a"].output_token_ids
+    proc, _ = _processor(str(path))
+    content = [{"type": "text", "text": text}, {"type": "image"}, {"type": "image"}]
+    prompt = proc.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                tokenize=False)
+    want = generate(_model(str(path)), proc, prompt, image=[Image.open(f).convert("RGB") for f in files], max_tokens=N,
+                    temperature=0.0, verbose=False)
+    assert got == list(want.token_ids)[:N] and w.runner.mm.stats.runs == 2
 
 
 def _png(tmp_path, seed: int, size=(80, 100)):
