@@ -41,6 +41,7 @@ _HELP = {
     "draft_model": "draft model for speculative decoding (builtin:<name> or an mlx-lm directory, same tokenizer)",
     "max_live_requests": "requests the worker holds at once (default 1024; 400 past it)",
     "max_req_id_len": "longest req_id in characters (default 256)",
+    "max_encoder_cache_bytes": "bytes of image encoder outputs held until the scheduler frees them (default 4 GiB; 400 past it)",
     "idle_timeout": "seconds a connection with no request in it stays open (default 5)",
     "read_timeout": "seconds a request may take to arrive whole, head and body (default 60; then 408)",
     "max_connections": "connections held at once (default 512; past it the longest idle one is closed)",

@@ -27,6 +27,7 @@ class Config:
     # bounds on what one scheduler can make the worker hold (400 past them; docs/protocol.md)
     max_live_requests: int = 1024
     max_req_id_len: int = 256
+    max_encoder_cache_bytes: int = 4 << 30  # image encoder outputs held until the scheduler frees them
     decode_ahead: bool = True  # overlap the next decode forward with the RPC round trip
     # speculative decoding (vLLM's speculative_config): drafts proposed by the worker, handed out by
     # take_draft_token_ids and verified when the scheduler sends them back (engine/proposers.py)
@@ -101,6 +102,7 @@ class Config:
             ("max_logprobs", self.max_logprobs >= 0, "must be >= 0"),
             ("max_live_requests", self.max_live_requests >= 1, "must be >= 1"),
             ("max_req_id_len", 1 <= self.max_req_id_len <= 1 << 20, "must be in [1, 2^20]"),
+            ("max_encoder_cache_bytes", self.max_encoder_cache_bytes >= 1, "must be >= 1"),
             ("max_model_len", 0 <= self.max_model_len <= 1 << 20, "must be in [0, 2^20]"),
             ("kv_dtype", self.kv_dtype in ("auto", "float16", "bfloat16", "float32", "8bit", "4bit"),
              "must be auto|float16|bfloat16|float32|8bit|4bit"),

@@ -85,8 +85,8 @@ def refuse_images(out: SchedulerOutput, family: str) -> None:
 
 
 class Multimodal:
-    def __init__(self, model: VisionLanguageModel):
-        self.model = model
+    def __init__(self, model: VisionLanguageModel, max_bytes: int = 4 << 30):
+        self.model, self.max_bytes = model, max_bytes
         self.requests: dict[str, _Request] = {}
         self.cache: dict[str, mx.array] = {}
         self.stats = EncoderStats()
@@ -191,7 +191,13 @@ class Multimodal:
             mx.eval(outs)
             self.stats.seconds += time.perf_counter() - t0
             self.stats.runs += len(outs)
-            self.cache.update((f.identifier, o) for f, o in zip(plan.encode, outs))
+            held = {**self.cache, **{f.identifier: o for f, o in zip(plan.encode, outs)}}
+            total = sum(o.nbytes for o in held.values())
+            if total > self.max_bytes:  # (the scheduler frees outputs; this bounds one that does not)
+                raise ProtocolError(f"the encoder outputs held would take {total} bytes, over the bound of "
+                                    f"{self.max_bytes} (--max-encoder-cache-bytes): free some first",
+                                    field="scheduled_encoder_inputs")
+            self.cache = held
 
     def _decode_position(self, row: Row) -> int | None:
         """The row's position when it starts past its prompt's positions and images, else None."""

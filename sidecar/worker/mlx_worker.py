@@ -160,7 +160,7 @@ class MLXWorker(StateMachine):
         if vision:
             from sidecar.engine.multimodal import Multimodal
 
-            self.runner.mm = Multimodal(model)
+            self.runner.mm = Multimodal(model, self.config.max_encoder_cache_bytes)
         try:
             probe_batched(self.runner)
         except BaseException:

@@ -302,3 +302,24 @@ def test_a_chunk_of_only_non_embedding_placeholder_positions_needs_no_encoder_ou
     assert so["scheduled_encoder_inputs"] == {}
     d.commit(so, worker.execute_model(so).to_wire())
     assert d.run(N, chunk=off)["a"] == want
+
+
+def test_encoder_outputs_past_the_bound_are_refused_until_some_are_freed(make_worker, model, path, sea):
+    """A scheduler that never frees cannot grow the encoder cache past --max-encoder-cache-bytes:
+    the step is a 400 naming scheduled_encoder_inputs and changes nothing; freeing makes room."""
+    ids, data, _ = sea
+    one = make_worker(model, num_blocks=96).runner.mm.model.encode(data).nbytes
+    w = make_worker(model, num_blocks=96, max_encoder_cache_bytes=one * 3 // 2)
+    d = fresh(w)
+    d.add_mm("a", ids, [feature(ids, data, "sea", tok(w))])
+    d.step(chunk=64)
+    assert set(w.runner.mm.cache) == {"sea"}
+    other_ids, other = prepare(path, "Describe the sea.", image(5))
+    step = new_step(w, other_ids, feature(other_ids, other, "other", tok(w)), rid="b")
+    before = (dict(w.runner.mm.cache), dict(w.runner.mm.requests), set(w.runner.requests))
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(step)
+    assert e.value.field == "scheduled_encoder_inputs" and "--max-encoder-cache-bytes" in e.value.message
+    assert (dict(w.runner.mm.cache), dict(w.runner.mm.requests), set(w.runner.requests)) == before
+    out = w.execute_model({**step, "free_encoder_mm_hashes": ["sea"]}).to_wire()
+    assert set(w.runner.mm.cache) == {"other"} and out["req_ids"] == ["b"]
