@@ -133,6 +133,9 @@ class DecodeOverlap:
         idx = sorted(inside + ([] if cross is None else [cross]))
         if not idx or len(idx) * (max(at[i] for i in idx) + 1) > runner.read_limit():
             return  # (one batch only: past the read limit the next step splits its rows itself)
+        past = runner.caches.rows_apart_past
+        if past is not None and len(idx) > 1 and max(at[i] for i in idx) >= past:
+            return  # (those rows run one at a time: step_batches)
         lazy = isinstance(tokens, mx.array)
         ids = (tokens if len(idx) == len(rows) else tokens[mx.array(idx)]).reshape(-1, 1) if lazy else None
         nxt = [Row(rows[i].state, at[i], [0 if lazy else int(tokens[i])], [*rows[i].block_ids, pool.scratch]

@@ -16,10 +16,13 @@ from sidecar.kv.state_cache import gather_state, store_state
 
 def step_batches(rows: Sequence[Row], decode: list[int], prefill: list[int], caches: ModelCaches) -> list[list[int]]:
     """How rows run as batches (some may be empty). Models that cannot take padding get batches
-    without it: recurrent state (rows of equal length, fresh rows apart from continuing ones) or int
-    offsets (one row at a time). Others run the decode rows as one batch and the prefill rows in
-    padded batches that compute at most `PAD_SLACK` x their real tokens (longest first)."""
-    if caches.scalar_offsets:
+    without it: recurrent state (rows of equal length, fresh rows apart from continuing ones) or
+    int offsets (one row at a time), and so do rows past `rows_apart_past`. Others run the decode
+    rows as one batch and the prefill rows in padded batches that compute at most `PAD_SLACK` x
+    their real tokens (longest first)."""
+    past = caches.rows_apart_past
+    if caches.scalar_offsets or (past is not None and any(rows[i].start + len(rows[i].token_ids) > past
+                                                          for i in decode + prefill)):
         return [[i] for i in decode + prefill]
     if caches.has_state:
         out: dict[tuple[int, bool], list[int]] = {}

@@ -155,8 +155,8 @@ def derive(model: Any, block_size: int, kv_dtype: str | None = None) -> ModelCac
         kv_quant.probe(model, bits)
     return ModelCaches(
         specs, structure, [c for _, _, c in leaves], state_entries,
-        scalar_offsets=(family in _KEY_COUNT_POSITIONS or any(isinstance(c, ChunkedKVCache) for _, _, c in leaves)
-                        or getattr(model, "rows_apart", False)),
+        scalar_offsets=family in _KEY_COUNT_POSITIONS or any(isinstance(c, ChunkedKVCache) for _, _, c in leaves),
+        rows_apart_past=getattr(model, "rows_apart_past", None),
         mask_5d=_has_grouped_scores(model),
     )
 

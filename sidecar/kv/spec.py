@@ -94,6 +94,9 @@ class ModelCaches:
     templates: list[Any] = field(default_factory=list)  # per leaf: the probed mlx-lm cache (state leaves copy it)
     state_entries: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # leaf -> (size, used)
     scalar_offsets: bool = False  # the model needs int offsets (llama4's chunk mask): rows run one at a time
+    # a decoder that scales a whole batch's attention by its first row's positions from here on:
+    # a batch reaching this position runs one row at a time
+    rows_apart_past: int | None = None
     mask_5d: bool = False  # grouped-query scores [B, kv, rep, L, K] (gemma2): masks get an extra axis
 
     @property

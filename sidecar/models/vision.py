@@ -66,7 +66,7 @@ class VisionLanguageModel(nn.Module):
     """mlx-vlm's model as the runner sees a text model; its vision tower runs through `encode`."""
 
     mrope = False  # positions from the request (bind) rather than from the cache offset
-    rows_apart = False  # the decoder is exact on one row at a time only (the paged cache's probe reads this)
+    rows_apart_past: int | None = None  # see ModelCaches.rows_apart_past (the paged cache's probe reads it)
 
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__()
@@ -304,9 +304,10 @@ class Mistral3(VisionLanguageModel):
         self.unit = int(vc.patch_size) * int(vlm.config.spatial_merge_size)  # pixels a side of one embedding
         self.channels, self.max_side = int(vc.num_channels), int(vc.image_size)
         # mlx-vlm's Ministral 3 decoder scales attention past the original context by the first
-        # row's positions, for every row of a batch.
-        beta = (getattr(vlm.language_model.config, "rope_parameters", None) or {}).get("llama_4_scaling_beta")
-        self.rows_apart = bool(beta) and vlm.language_model.model_type != "mistral"
+        # row's positions, for every row of a batch: exact while no row is past it.
+        rope = getattr(vlm.language_model.config, "rope_parameters", None) or {}
+        if rope.get("llama_4_scaling_beta") and vlm.language_model.model_type != "mistral":
+            self.rows_apart_past = int(rope["original_max_position_embeddings"])
 
     def _size(self, data: dict[str, np.ndarray], path: str) -> tuple[int, int]:
         """(H, W) of the image: `image_sizes` when sent (the unpadded part of pixel_values), else its shape."""

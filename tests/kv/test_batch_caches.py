@@ -52,6 +52,9 @@ def test_batches_of_models_that_cannot_take_padding() -> None:
     assert step_batches(rows, [], [0, 1, 2], caches) == [[0], [1], [2]]
     padded = ModelCaches([], [])  # negative control: a model that takes padding pads
     assert step_batches(rows, decode, prefill, padded) == [[3, 4], [0, 1, 2, 5]]  # 16 slots for 14 tokens
+    # a decoder exact in a batch only below position 9 (rows_apart_past): the furthest row reaches 8
+    assert step_batches(rows, decode, prefill, ModelCaches([], [], rows_apart_past=9)) == [[3, 4], [0, 1, 2, 5]]
+    assert step_batches(rows, decode, prefill, ModelCaches([], [], rows_apart_past=8)) == [[3], [4], [0], [1], [2], [5]]
 
 
 def test_prefill_groups_bound_padding() -> None:

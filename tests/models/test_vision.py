@@ -67,20 +67,37 @@ def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worke
         assert np.abs(np.array(m(mx.array([ids]))) - np.array(want.logits)).max() > 1e-2
 
 
-def test_mistral3_runs_rows_apart_only_with_ministral3s_scaled_attention(make_worker, home, tmp_path):
-    """mlx-vlm's Ministral 3 decoder scales a batch by its first row's positions: one row at a time
-    (exact); a plain Mistral decoder (no such scaling) batches, with the forward queued ahead."""
+def test_mistral3_runs_rows_apart_past_ministral3s_original_context(make_worker, home, tmp_path):
+    """mlx-vlm's Ministral 3 decoder scales a batch's attention by its first row's positions past
+    the original context (16 positions in the built-in): batches below it (exact: every scale is 1),
+    rows one at a time past it. A plain Mistral decoder (no such scaling) batches throughout."""
     import shutil
 
-    scaled = make_worker(MISTRAL, num_blocks=16)
-    assert scaled.runner.caches.scalar_offsets and not scaled.runner.decode_ahead
+    from tests.vision import MMDriver
+
+    w = make_worker(MISTRAL, num_blocks=96)
+    assert w.runner.caches.rows_apart_past == 16 and w.runner.decode_ahead
+    prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11, 12, 13, 14]}  # decoding from positions 4 and 6 up to 20
+    alone = {}
+    for rid, p in prompts.items():
+        d = MMDriver(w.execute_model, w.config.block_size, 96)
+        w.initialize_cache(96, 0)
+        d.add(rid, p, {"temperature": 0.0, "logprobs": 0})
+        alone[rid] = (d.run(14)[rid], d.reqs[rid].logprobs)
+    w.initialize_cache(96, 0)
+    d = MMDriver(w.execute_model, w.config.block_size, 96)
+    for rid, p in prompts.items():
+        d.add(rid, p, {"temperature": 0.0, "logprobs": 0})
+    out = d.run(14)
+    for rid in prompts:
+        assert out[rid] == alone[rid][0]
+        assert np.abs(np.array(d.reqs[rid].logprobs) - np.array(alone[rid][1])).max() < 1e-5
     plain = tmp_path / "mistral3-plain"
     shutil.copytree(resolve_model(MISTRAL, home), plain)
     config = json.loads((plain / "config.json").read_text())
     config["text_config"]["model_type"] = "mistral"
     (plain / "config.json").write_text(json.dumps(config))
-    w = make_worker(str(plain), num_blocks=16)
-    assert not w.runner.caches.scalar_offsets and w.runner.decode_ahead
+    assert make_worker(str(plain), num_blocks=16).runner.caches.rows_apart_past is None
 
 
 @pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL])
