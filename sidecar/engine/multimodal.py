@@ -113,7 +113,7 @@ class Multimodal:
                                         field=f"{path}.mm_position")
                 # vLLM strips the pixels of an item whose placeholder its prefix cache covers (an
                 # M-RoPE model keeps the grid, other families may keep their small tensors): no
-                # chunk computes those positions. Nor do an encoder-cached item's need them.
+                # chunk computes those positions. Nor does an item whose output is cached need them.
                 covered = r.offset + r.length <= nr.num_computed_tokens
                 pixels = "pixel_values" in (f.data or {})
                 if not pixels and not covered and f.identifier not in self.cache:

@@ -290,9 +290,9 @@ class Idefics3(VisionLanguageModel):
 
 
 class Mistral3(VisionLanguageModel):
-    """Mistral 3 (Mistral Small 3.x, Ministral 3): Pixtral's tower over the image at its own aspect ratio, a
-    patch merger, and rows of [IMG] tokens each closed by [IMG_BREAK] ([IMG_END] after the last):
-    the breaks are placeholder positions that are not embeddings (`is_embed`)."""
+    """Mistral 3 (Mistral Small 3.x, Ministral 3): Pixtral's tower over the image at its own aspect
+    ratio, a patch merger, and rows of [IMG] tokens each closed by [IMG_BREAK] ([IMG_END] after the
+    last): the breaks are placeholder positions that are not embeddings (`is_embed`)."""
 
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__(vlm, config)
