@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 SEED = 1234
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]  # image normalisation
 # Qwen2-VL's special tokens (transformers' Qwen2VLProcessor finds the image token by this name).
 QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                "<|video_pad|>", "<|endoftext|>")
@@ -156,7 +157,7 @@ def _qwen_vl(train: Callable[[int], Tokenizer], family: str, small: bool = False
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
     }
-    mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
+    mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else (CLIP_MEAN, CLIP_STD)
     image = {
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
@@ -260,8 +261,8 @@ MISTRAL_IMAGE = 112  # the longest edge: up to 8x8 patches of 14, merged 2x2: up
 
 
 def _mistral3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
-    """Mistral 3's layout (Ministral 3, Mistral Small 3.x): Pixtral's tower (2-D RoPE over any aspect ratio), a patch merger,
-    and rows of [IMG] tokens closed by [IMG_BREAK] (the last by [IMG_END]) in the prompt."""
+    """Mistral 3's layout (Ministral 3, Mistral Small 3.x): Pixtral's tower (2-D RoPE over any aspect
+    ratio), a patch merger, and rows of [IMG] tokens closed by [IMG_BREAK] (the last by [IMG_END])."""
     tok = train(512)
     tok.post_processor = None  # the chat template writes <s>
     tok.add_special_tokens(list(MISTRAL_TOKENS))
@@ -285,8 +286,7 @@ def _mistral3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     image = {"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
              "do_convert_rgb": True, "do_resize": True, "size": {"longest_edge": MISTRAL_IMAGE}, "resample": 3,
              "patch_size": {"height": 14, "width": 14}, "do_rescale": True, "rescale_factor": 1 / 255,
-             "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-             "image_std": [0.26862954, 0.26130258, 0.27577711]}
+             "do_normalize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "PixtralProcessor", "bos_token": "<s>",
         "eos_token": "</s>", "model_max_length": 4096, "clean_up_tokenization_spaces": False,

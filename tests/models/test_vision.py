@@ -18,8 +18,8 @@ pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from sidecar.errors import ProtocolError  # noqa: E402
-from tests.vision import (GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, feature, fresh,  # noqa: E402
-                          image, new_step, oracle, prepare, tok)
+from tests.vision import (GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature,  # noqa: E402
+                          fresh, image, new_step, oracle, prepare, tok)
 
 N = 8
 
@@ -72,8 +72,6 @@ def test_mistral3_runs_rows_apart_past_ministral3s_original_context(make_worker,
     the original context (16 positions in the built-in): batches below it (exact: every scale is 1),
     rows one at a time past it. A plain Mistral decoder (no such scaling) batches throughout."""
     import shutil
-
-    from tests.vision import MMDriver
 
     w = make_worker(MISTRAL, num_blocks=96)
     assert w.runner.caches.rows_apart_past == 16 and w.runner.decode_ahead
