@@ -248,8 +248,8 @@ class Gemma3(VisionLanguageModel):
 
 
 class Idefics3(VisionLanguageModel):
-    """Idefics3 (SmolVLM's architecture): an image is tiles (its splits plus a global view), each
-    encoded and pixel-shuffled into `image_seq_len` embeddings."""
+    """Idefics3, and SmolVLM (SmolVLM2: Idefics3's model under its own name): an image is tiles (its
+    splits plus a global view), each encoded and pixel-shuffled into `image_seq_len` embeddings."""
 
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__(vlm, config)
@@ -352,4 +352,4 @@ class Mistral3(VisionLanguageModel):
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
 SERVED: dict[str, type[VisionLanguageModel]] = {
     "qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL, "gemma3": Gemma3,
-    "idefics3": Idefics3, "mistral3": Mistral3}
+    "idefics3": Idefics3, "smolvlm": Idefics3, "mistral3": Mistral3}

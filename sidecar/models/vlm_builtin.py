@@ -43,7 +43,7 @@ class VLMSpec:
 VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qwen2.5-vl": VLMSpec("qwen2_5_vl"),
                                   "tiny-qwen3-vl": VLMSpec("qwen3_vl"), "tiny-qwen3-vl-moe": VLMSpec("qwen3_vl_moe"),
                                   "tiny-gemma3-vl": VLMSpec("gemma3"), "tiny-idefics3": VLMSpec("idefics3"),
-                                  "tiny-mistral3": VLMSpec("mistral3"),
+                                  "tiny-mistral3": VLMSpec("mistral3"), "tiny-smolvlm": VLMSpec("smolvlm"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
@@ -54,6 +54,9 @@ IDEFICS_CHAT_TEMPLATE = (
     "{% if c['type'] in ('image', 'image_url') %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# SmolVLM (SmolVLM2): Idefics3's model under its own name, processor and turn markers.
+SMOLVLM_CHAT_TEMPLATE = IDEFICS_CHAT_TEMPLATE.replace("<|begin_of_text|>{% for m in messages %}",
+                                                      "<|im_start|>{% for m in messages %}")
 IDEFICS_TILE = 56  # 4x4 patches of 14, pixel-shuffled 2x2: 4 tokens per tile; images split into tiles of 56 up to 112
 
 GEMMA_TOKENS = ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
@@ -86,6 +89,8 @@ def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     family = VLM_MODELS[name].model_type
     if family.startswith("qwen"):
         return _qwen_vl(train, family, VLM_MODELS[name].small)
+    if family == "smolvlm":
+        return _idefics3(train, smol=True)
     return {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3}[family](train)
 
 
@@ -217,35 +222,36 @@ def _gemma3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
             "generation_config.json": {"eos_token_id": config["eos_token_id"], "do_sample": False}}
 
 
-def _idefics3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+def _idefics3(train: Callable[[int], Tokenizer], smol: bool = False) -> dict[str, dict]:
     tok = train(512)
     tok.post_processor = None  # the chat template writes <|begin_of_text|>
-    tok.add_special_tokens(list(IDEFICS_TOKENS))
+    tok.add_special_tokens(list(IDEFICS_TOKENS) + ["<|im_start|>"] * smol)
     ids = {t: tok.token_to_id(t) for t in IDEFICS_TOKENS}
+    name, bos = ("SmolVLM", "<|im_start|>") if smol else ("Idefics3", "<|begin_of_text|>")
     text = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": tok.get_vocab_size(), "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
             "hidden_act": "silu", "torch_dtype": "float32", "pad_token_id": ids["<|end_of_text|>"]}
-    vision = {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    vision = {"model_type": f"{name.lower()}_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "image_size": IDEFICS_TILE, "patch_size": 14, "num_channels": 3,
               "layer_norm_eps": 1e-6}
-    config = {"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3", "text_config": text,
+    config = {"architectures": [f"{name}ForConditionalGeneration"], "model_type": name.lower(), "text_config": text,
               "vision_config": vision, "scale_factor": 2, "image_token_id": ids["<image>"], "hidden_size": 64,
-              "vocab_size": tok.get_vocab_size(), "bos_token_id": ids["<|begin_of_text|>"],
+              "vocab_size": tok.get_vocab_size(), "bos_token_id": tok.token_to_id(bos),
               "eos_token_id": ids["<end_of_utterance>"], "pad_token_id": ids["<|end_of_text|>"], "torch_dtype": "float32",
               "tie_word_embeddings": False}
-    image = {"image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
+    image = {"image_processor_type": f"{name}ImageProcessor", "processor_class": f"{name}Processor",
              "do_convert_rgb": True, "do_resize": True, "size": {"longest_edge": 2 * IDEFICS_TILE}, "resample": 1,
              "do_image_splitting": True, "max_image_size": {"longest_edge": IDEFICS_TILE}, "do_rescale": True,
              "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
              "image_std": [0.5, 0.5, 0.5], "do_pad": True}
     tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Idefics3Processor",
-        "bos_token": "<|begin_of_text|>", "eos_token": "<end_of_utterance>", "pad_token": "<|end_of_text|>",
-        "model_max_length": 4096, "clean_up_tokenization_spaces": False, "chat_template": IDEFICS_CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": f"{name}Processor",
+        "bos_token": bos, "eos_token": "<end_of_utterance>", "pad_token": "<|end_of_text|>", "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "chat_template": SMOLVLM_CHAT_TEMPLATE if smol else IDEFICS_CHAT_TEMPLATE,
     }
     return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
-            "processor_config.json": {"processor_class": "Idefics3Processor", "image_seq_len": 4},
+            "processor_config.json": {"processor_class": f"{name}Processor", "image_seq_len": 4},
             "tokenizer.json": json.loads(tok.to_str()),
             "generation_config.json": {"eos_token_id": config["eos_token_id"], "do_sample": False}}
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from sidecar.errors import ProtocolError  # noqa: E402
-from tests.vision import (GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature,  # noqa: E402
+from tests.vision import (GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, MMDriver, feature,  # noqa: E402
                           fresh, image, new_step, oracle, prepare, tok)
 
 N = 8
@@ -28,7 +28,8 @@ def test_only_served_vision_families_take_images(home, tmp_path):
     assert is_served(resolve_model(MODEL, home)) and "qwen2_vl" in SERVED
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
     assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
-    assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "mistral3"}
+    assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm",
+                           "mistral3"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
@@ -98,7 +99,7 @@ def test_mistral3_runs_rows_apart_past_ministral3s_original_context(make_worker,
     assert make_worker(str(plain), num_blocks=16).runner.caches.rows_apart_past is None
 
 
-@pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL])
+@pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL, SMOLVLM])
 def family(request, make_worker, home):
     path = resolve_model(request.param, home)
     w = make_worker(request.param, num_blocks=96)

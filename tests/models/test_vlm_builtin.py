@@ -15,7 +15,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, image, prepare  # noqa: E402
+from tests.vision import GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, _processor, image, prepare  # noqa: E402
 
 
 def test_resolves_and_is_deterministic(home, tmp_path):
@@ -24,7 +24,7 @@ def test_resolves_and_is_deterministic(home, tmp_path):
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
     assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-gemma3-vl",
-                                "tiny-idefics3", "tiny-mistral3", "small-qwen2.5-vl"]
+                                "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "small-qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25])
@@ -73,8 +73,16 @@ def test_gemma3_images_are_four_soft_tokens_between_markers(home):
         assert ids.count(config["image_token_index"]) == 4
 
 
-def test_idefics3_images_are_tiles_of_four_tokens(home):
-    path = resolve_model(IDEFICS, home)
+@pytest.mark.parametrize("model", [IDEFICS, SMOLVLM])
+def test_idefics3_images_are_tiles_of_four_tokens(home, model):
+    """SmolVLM is Idefics3's model and layout under its own name: its own processor (mlx-vlm's) and
+    mlx-vlm's smolvlm module, the same tiles."""
+    from mlx_vlm.utils import load_model
+
+    path = resolve_model(model, home)
+    family = model.split("-")[-1]
+    assert type(_processor(str(path))).__name__ == ("SmolVLMProcessor" if model == SMOLVLM else "Idefics3Processor")
+    assert type(load_model(path)).__module__.endswith(f"{family}.{family}")
     image_token = json.loads((path / "config.json").read_text())["image_token_id"]
     seen = set()
     for size in [(80, 100), (50, 200)]:
