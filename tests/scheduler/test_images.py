@@ -133,6 +133,26 @@ def test_scheduler_and_worker_equal_mlx_vlm_through_chunks_shared_images_and_pre
     assert sum(r.num_preemptions for r in done.values()) > 0
 
 
+@pytest.mark.parametrize("model", [QWEN3, GEMMA, IDEFICS])
+def test_speculative_decoding_on_image_requests_keeps_mlx_vlms_tokens(make_worker, home, tmp_path, model):
+    """The worker's n-gram drafts verified in rows after an image (Qwen3-VL: M-RoPE positions past
+    the grid for each draft; Gemma 3: sliding windows), batched with a text request: the same greedy
+    tokens as mlx-vlm's generate, and drafts were accepted (the verify path ran)."""
+    from PIL import Image
+
+    from sidecar.scheduler.images import prepare
+
+    n, path, sea = 32, resolve_model(model, home), _png(tmp_path, 0)
+    w = make_worker(model, num_blocks=64, speculative_method="ngram", prompt_lookup_min=1)
+    sched = Scheduler(num_blocks=64, block_size=w.config.block_size, max_num_batched_tokens=64)
+    ids, features = prepare(path, "Describe the sea.", [sea])
+    sched.add_request(Request("a", ids, {"temperature": 0.0}, max_tokens=n, ignore_eos=True, mm_features=features))
+    sched.add_request(Request("t", list(range(5, 30)), {"temperature": 0.0}, max_tokens=n, ignore_eos=True))
+    done = run(sched, lambda so: w.execute_model(so).to_wire(), take_draft_token_ids=w.take_draft_token_ids)
+    assert done["a"].output_token_ids == oracle(path, "Describe the sea.", Image.open(sea).convert("RGB"), n)
+    assert sched.num_accepted_tokens > 0
+
+
 def test_generate_cli_with_an_image(home, tmp_path):
     from PIL import Image
 
