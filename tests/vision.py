@@ -23,13 +23,15 @@ GEMMA = "builtin:tiny-gemma3-vl"
 IDEFICS = "builtin:tiny-idefics3"
 MISTRAL = "builtin:tiny-mistral3"
 SMOLVLM = "builtin:tiny-smolvlm"
+GLM4V = "builtin:tiny-glm4v"
 # Each family's prompt around a user turn ({}: its content) and its image marker.
 PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
            "gemma3": "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
            "idefics3": "<|begin_of_text|>User:{}<end_of_utterance>\nAssistant:", "mistral3": "<s>[INST]{}[/INST]",
-           "smolvlm": "<|im_start|>User:{}<end_of_utterance>\nAssistant:"}
+           "smolvlm": "<|im_start|>User:{}<end_of_utterance>\nAssistant:",
+           "glm4v": "[gMASK]<sop><|user|>\n{}<|assistant|>\n"}
 IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>", "idefics3": "<image>",
-          "mistral3": "[IMG]", "smolvlm": "<image>"}
+          "mistral3": "[IMG]", "smolvlm": "<image>", "glm4v": "<|begin_of_image|><|image|><|end_of_image|>"}
 for _qwen in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
     PROMPTS[_qwen], IMAGES[_qwen] = PROMPTS["qwen2_vl"], IMAGES["qwen2_vl"]
 

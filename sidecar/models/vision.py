@@ -4,10 +4,10 @@
 an mlx-lm model (`model(tokens, cache=...)`), with the input embeddings (and, for M-RoPE families,
 the positions) of the next call set beforehand by engine/multimodal.py (`bind`). Each family says
 what its encoder takes (`check`), runs it (`encode`: the rows its own `get_input_embeddings`
-writes into the token embeddings) and, for the Qwen-VL families, computes positions with mlx-vlm's own
-`get_rope_index`. Checkpoints of other multimodal families keep being served as text-only
-models through mlx-lm when mlx-lm has their text half (a request with an image is then refused
-naming the family), and are refused by name at load_model when it has not (`unserved`).
+writes into the token embeddings) and, for the M-RoPE families (Qwen-VL, GLM-4.1V), computes
+positions with mlx-vlm's own `get_rope_index`. Checkpoints of other multimodal families keep being
+served as text-only models through mlx-lm when mlx-lm has their text half (a request with an image
+is then refused naming the family), and are refused by name at load_model when it has not (`unserved`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class VisionLanguageModel(nn.Module):
         lm = self.language_model
         h = lm.model(inputs, cache=cache, inputs_embeds=embeds, position_ids=positions,
                      **self.deepstack(visual, inputs.shape))
-        return lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
+        return lm.model.embed_tokens.as_linear(h) if getattr(lm.args, "tie_word_embeddings", False) else lm.lm_head(h)
 
     image_token_id: int
 
@@ -145,8 +145,9 @@ def _need(data: dict[str, np.ndarray], names: tuple[str, ...], family: str, path
 
 
 class Qwen2VL(VisionLanguageModel):
-    """Qwen2-VL and Qwen2.5-VL: the same inputs, merged patches and M-RoPE; their towers (Qwen2.5-VL's
-    windowed attention included) are mlx-vlm's."""
+    """Qwen2-VL, Qwen2.5-VL and GLM-4.1V (GLM-4.6V-Flash): the same inputs, merged patches and
+    M-RoPE; their towers (Qwen2.5-VL's windowed attention, GLM's downsampling merger) and decoders
+    are mlx-vlm's."""
 
     mrope = True
 
@@ -352,4 +353,4 @@ class Mistral3(VisionLanguageModel):
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
 SERVED: dict[str, type[VisionLanguageModel]] = {
     "qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL, "gemma3": Gemma3,
-    "idefics3": Idefics3, "smolvlm": Idefics3, "mistral3": Mistral3}
+    "idefics3": Idefics3, "smolvlm": Idefics3, "mistral3": Mistral3, "glm4v": Qwen2VL}

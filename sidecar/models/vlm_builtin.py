@@ -44,6 +44,7 @@ VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qw
                                   "tiny-qwen3-vl": VLMSpec("qwen3_vl"), "tiny-qwen3-vl-moe": VLMSpec("qwen3_vl_moe"),
                                   "tiny-gemma3-vl": VLMSpec("gemma3"), "tiny-idefics3": VLMSpec("idefics3"),
                                   "tiny-mistral3": VLMSpec("mistral3"), "tiny-smolvlm": VLMSpec("smolvlm"),
+                                  "tiny-glm4v": VLMSpec("glm4v"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
@@ -91,7 +92,7 @@ def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
         return _qwen_vl(train, family, VLM_MODELS[name].small)
     if family == "smolvlm":
         return _idefics3(train, smol=True)
-    return {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3}[family](train)
+    return {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3, "glm4v": _glm4v}[family](train)
 
 
 # Qwen2.5-VL's vision tower differs from Qwen2-VL's: RMSNorm and SwiGLU blocks, windowed attention
@@ -304,6 +305,53 @@ def _mistral3(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
                                       "patch_size": 14, "spatial_merge_size": 2},
             "tokenizer.json": json.loads(tok.to_str()),
             "generation_config.json": {"eos_token_id": ids["</s>"], "do_sample": False}}
+
+
+GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|end_of_image|>",
+              "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>", "<|begin_of_box|>", "<|end_of_box|>")
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _glm4v(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    """GLM-4.1V / GLM-4.6V-Flash's layout: Qwen2-VL's patches (14, 2 frames, merged 2x2) into a tower
+    with learned position embeddings and a downsampling merger; GLM-4's decoder with partial M-RoPE."""
+    tok = train(512)
+    tok.post_processor = None  # the chat template writes [gMASK]<sop>
+    tok.add_special_tokens(list(GLM_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in GLM_TOKENS}
+    text = {"model_type": "glm4v_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": tok.get_vocab_size(), "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "max_position_embeddings": 4096, "partial_rotary_factor": 0.5,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}, "attention_bias": True,
+            "eos_token_id": [ids["<|endoftext|>"], ids["<|user|>"]], "pad_token_id": ids["<|endoftext|>"],
+            "torch_dtype": "float32"}
+    vision = {"model_type": "glm4v", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "patch_size": 14, "image_size": 56, "in_channels": 3, "out_hidden_size": 64, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+    config = {"architectures": ["Glm4vForConditionalGeneration"], "model_type": "glm4v", "text_config": text,
+              "vision_config": vision, "image_token_id": ids["<|image|>"], "video_token_id": ids["<|video|>"],
+              "image_start_token_id": ids["<|begin_of_image|>"], "image_end_token_id": ids["<|end_of_image|>"],
+              "vision_start_token_id": ids["<|begin_of_image|>"], "vision_end_token_id": ids["<|end_of_image|>"],
+              "vocab_size": tok.get_vocab_size(), "hidden_size": 64, "eos_token_id": text["eos_token_id"],
+              "torch_dtype": "float32"}
+    pixels = (4 * 28) ** 2  # at most 8x8 patches: 16 tokens after merging
+    image = {"image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor", "do_resize": True,
+             "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "rescale_factor": 1 / 255,
+             "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "size": {"shortest_edge": (2 * 28) ** 2, "longest_edge": pixels},
+             "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 4096, "clean_up_tokenization_spaces": False, "chat_template": GLM_CHAT_TEMPLATE,
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": text["eos_token_id"], "do_sample": False}}
 
 
 def _write_weights(config: dict, path: Path, seed: int) -> None:

@@ -14,14 +14,15 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature, fresh, image, new_step, oracle, prepare, tok
+from tests.vision import (GLM4V, MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature, fresh, image, new_step, oracle,
+                          prepare, tok)
 
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 
 N = 8
 
 
-@pytest.fixture(scope="module", params=[MODEL, QWEN25, QWEN3, QWEN3_MOE])
+@pytest.fixture(scope="module", params=[MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V])
 def model(request):
     return request.param
 

@@ -17,7 +17,7 @@ from tests.server.serverproc import start_server
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import GEMMA, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, image, oracle  # noqa: E402
+from tests.vision import GEMMA, GLM4V, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, image, oracle  # noqa: E402
 
 N = 6
 
@@ -74,7 +74,7 @@ def test_the_same_image_under_another_question_reuses_the_kv_past_the_image(make
     assert set(seen[1]["mm_features"][0]["data"]) == {"image_grid_thw"}
 
 
-@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GEMMA, IDEFICS, MISTRAL, SMOLVLM])
+@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GEMMA, IDEFICS, MISTRAL, SMOLVLM, GLM4V])
 def test_two_images_of_different_sizes_in_one_request_equal_mlx_vlm_generate(make_worker, home, tmp_path, model):
     """Both images' items in one prompt (M-RoPE positions past two grids, Qwen3-VL's deepstack rows
     of two items in one row; two placeholder lengths where the family's depend on the size),
@@ -133,7 +133,7 @@ def test_scheduler_and_worker_equal_mlx_vlm_through_chunks_shared_images_and_pre
     assert sum(r.num_preemptions for r in done.values()) > 0
 
 
-@pytest.mark.parametrize("model", [QWEN3, GEMMA, IDEFICS])
+@pytest.mark.parametrize("model", [QWEN3, GEMMA, IDEFICS, GLM4V])
 def test_speculative_decoding_on_image_requests_keeps_mlx_vlms_tokens(make_worker, home, tmp_path, model):
     """The worker's n-gram drafts verified in rows after an image (Qwen3-VL: M-RoPE positions past
     the grid for each draft; Gemma 3: sliding windows), batched with a text request: the same greedy

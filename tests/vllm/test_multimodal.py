@@ -47,11 +47,12 @@ def test_features_convert_to_the_wire_and_back() -> None:
     assert features(multimodal.features([spec]), "f", 11)[0].data["pixel_values"].dtype == np.float32
 
 
-@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-gemma3-vl", "builtin:tiny-qwen2-vl", "builtin:tiny-smolvlm"])
+@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-gemma3-vl", "builtin:tiny-qwen2-vl", "builtin:tiny-smolvlm",
+                                   "builtin:tiny-glm4v"])
 def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_dir) -> None:
     """transformers' image processor (what vLLM's processor calls) and mlx-vlm's, on the same image:
-    within 1e-6. (Qwen2-VL, SmolVLM: their PIL image processors; the whole processors need
-    torchvision here.)"""
+    within 1e-6. (Qwen2-VL, SmolVLM, GLM-4.1V: their PIL image processors; the whole processors
+    need torchvision here.)"""
     _need_vision()
     from PIL import Image
     from transformers import AutoProcessor
@@ -66,6 +67,10 @@ def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_di
         from transformers import SmolVLMImageProcessorPil
 
         image_processor = SmolVLMImageProcessorPil.from_pretrained(vllm_model_dir(model))
+    elif "glm4v" in model:
+        from transformers import Glm4vImageProcessorPil
+
+        image_processor = Glm4vImageProcessorPil.from_pretrained(vllm_model_dir(model))
     else:
         image_processor = AutoProcessor.from_pretrained(vllm_model_dir(model)).image_processor
     got = image_processor(images=[img], return_tensors="np")["pixel_values"]
