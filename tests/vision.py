@@ -24,6 +24,7 @@ IDEFICS = "builtin:tiny-idefics3"
 MISTRAL = "builtin:tiny-mistral3"
 SMOLVLM = "builtin:tiny-smolvlm"
 GLM4V = "builtin:tiny-glm4v"
+GLM4V_MOE = "builtin:tiny-glm4v-moe"
 # Each family's prompt around a user turn ({}: its content) and its image marker.
 PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
            "gemma3": "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
@@ -34,6 +35,7 @@ IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "
           "mistral3": "[IMG]", "smolvlm": "<image>", "glm4v": "<|begin_of_image|><|image|><|end_of_image|>"}
 for _qwen in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
     PROMPTS[_qwen], IMAGES[_qwen] = PROMPTS["qwen2_vl"], IMAGES["qwen2_vl"]
+PROMPTS["glm4v_moe"], IMAGES["glm4v_moe"] = PROMPTS["glm4v"], IMAGES["glm4v"]
 
 
 def _prompt(path: Path, text: str, image_first: bool = False) -> str:

@@ -145,7 +145,7 @@ def _need(data: dict[str, np.ndarray], names: tuple[str, ...], family: str, path
 
 
 class Qwen2VL(VisionLanguageModel):
-    """Qwen2-VL, Qwen2.5-VL and GLM-4.1V (GLM-4.6V-Flash): the same inputs, merged patches and
+    """Qwen2-VL, Qwen2.5-VL, GLM-4.1V and GLM-4.5V (GLM-4.6V): the same inputs, merged patches and
     M-RoPE; their towers (Qwen2.5-VL's windowed attention, GLM's downsampling merger) and decoders
     are mlx-vlm's."""
 
@@ -353,4 +353,5 @@ class Mistral3(VisionLanguageModel):
 # mlx-vlm families whose images are served (the rest of a multimodal checkpoint: its text half).
 SERVED: dict[str, type[VisionLanguageModel]] = {
     "qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL, "gemma3": Gemma3,
-    "idefics3": Idefics3, "smolvlm": Idefics3, "mistral3": Mistral3, "glm4v": Qwen2VL}
+    "idefics3": Idefics3, "smolvlm": Idefics3, "mistral3": Mistral3, "glm4v": Qwen2VL,
+    "glm4v_moe": Qwen2VL}

@@ -44,7 +44,7 @@ VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qw
                                   "tiny-qwen3-vl": VLMSpec("qwen3_vl"), "tiny-qwen3-vl-moe": VLMSpec("qwen3_vl_moe"),
                                   "tiny-gemma3-vl": VLMSpec("gemma3"), "tiny-idefics3": VLMSpec("idefics3"),
                                   "tiny-mistral3": VLMSpec("mistral3"), "tiny-smolvlm": VLMSpec("smolvlm"),
-                                  "tiny-glm4v": VLMSpec("glm4v"),
+                                  "tiny-glm4v": VLMSpec("glm4v"), "tiny-glm4v-moe": VLMSpec("glm4v_moe"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
@@ -92,7 +92,8 @@ def vlm_files(name: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
         return _qwen_vl(train, family, VLM_MODELS[name].small)
     if family == "smolvlm":
         return _idefics3(train, smol=True)
-    return {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3, "glm4v": _glm4v}[family](train)
+    return {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3, "glm4v": _glm4v,
+            "glm4v_moe": lambda t: _glm4v(t, moe=True)}[family](train)
 
 
 # Qwen2.5-VL's vision tower differs from Qwen2-VL's: RMSNorm and SwiGLU blocks, windowed attention
@@ -318,23 +319,32 @@ GLM_CHAT_TEMPLATE = (
 )
 
 
-def _glm4v(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
-    """GLM-4.1V / GLM-4.6V-Flash's layout: Qwen2-VL's patches (14, 2 frames, merged 2x2) into a tower
-    with learned position embeddings and a downsampling merger; GLM-4's decoder with partial M-RoPE."""
+# GLM-4.5V / GLM-4.6V's decoder: GLM-4.5's experts (a dense first layer, a shared expert, grouped routing).
+GLM_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+           "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+           "first_k_dense_replace": 1, "use_qk_norm": True, "head_dim": 16, "tie_word_embeddings": False}
+
+
+def _glm4v(train: Callable[[int], Tokenizer], moe: bool = False) -> dict[str, dict]:
+    """GLM-4.1V / GLM-4.6V-Flash's layout (`moe`: GLM-4.5V / GLM-4.6V's): Qwen2-VL's patches (14, 2
+    frames, merged 2x2) into a tower with learned position embeddings and a downsampling merger;
+    GLM-4's decoder with partial M-RoPE."""
+    family = "glm4v_moe" if moe else "glm4v"
     tok = train(512)
     tok.post_processor = None  # the chat template writes [gMASK]<sop>
     tok.add_special_tokens(list(GLM_TOKENS))
     ids = {t: tok.token_to_id(t) for t in GLM_TOKENS}
-    text = {"model_type": "glm4v_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    text = {"model_type": f"{family}_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": tok.get_vocab_size(), "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0, "max_position_embeddings": 4096, "partial_rotary_factor": 0.5,
             "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}, "attention_bias": True,
             "eos_token_id": [ids["<|endoftext|>"], ids["<|user|>"]], "pad_token_id": ids["<|endoftext|>"],
-            "torch_dtype": "float32"}
-    vision = {"model_type": "glm4v", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "torch_dtype": "float32", **(GLM_MOE if moe else {})}
+    vision = {"model_type": family, "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "patch_size": 14, "image_size": 56, "in_channels": 3, "out_hidden_size": 64, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
-    config = {"architectures": ["Glm4vForConditionalGeneration"], "model_type": "glm4v", "text_config": text,
+    config = {"architectures": ["Glm4vMoeForConditionalGeneration" if moe else "Glm4vForConditionalGeneration"],
+              "model_type": family, "text_config": text,
               "vision_config": vision, "image_token_id": ids["<|image|>"], "video_token_id": ids["<|video|>"],
               "image_start_token_id": ids["<|begin_of_image|>"], "image_end_token_id": ids["<|end_of_image|>"],
               "vision_start_token_id": ids["<|begin_of_image|>"], "vision_end_token_id": ids["<|end_of_image|>"],

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from sidecar.errors import ProtocolError  # noqa: E402
-from tests.vision import (GEMMA, GLM4V, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, MMDriver,  # noqa: E402
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, MMDriver,  # noqa: E402
                           feature, fresh, image, new_step, oracle, prepare, tok)
 
 N = 8
@@ -29,14 +29,14 @@ def test_only_served_vision_families_take_images(home, tmp_path):
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
     assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
     assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm",
-                           "mistral3", "glm4v"}
+                           "mistral3", "glm4v", "glm4v_moe"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
     assert model_type(other) == "llava" and not is_served(other)  # its text half serves; images refused by name
 
 
-@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V])
+@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V, GLM4V_MOE])
 def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worker, home, model):
     """The adapter's logits for a whole prompt with an image equal mlx-vlm's Model.__call__
     (Qwen3-VL's with its deepstack rows; without them, or with plain positions, they differ: the

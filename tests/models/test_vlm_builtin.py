@@ -15,7 +15,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import (GEMMA, GLM4V, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, _processor, image,  # noqa: E402
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, _processor, image,  # noqa: E402
                           prepare)
 
 
@@ -25,7 +25,8 @@ def test_resolves_and_is_deterministic(home, tmp_path):
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
     assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-gemma3-vl",
-                                "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "tiny-glm4v", "small-qwen2.5-vl"]
+                                "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "tiny-glm4v", "tiny-glm4v-moe",
+                                "small-qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25])
@@ -63,15 +64,19 @@ def test_qwen3_vl_takes_patches_of_16_into_a_deepstack_tower(home, model):
     assert ("SparseMoe" in type(vlm.language_model.model.layers[0].mlp).__name__) == (model == QWEN3_MOE)
 
 
-def test_glm4v_takes_qwen2_vls_patches_into_its_own_tower(home):
-    """GLM-4.1V through mlx-vlm's own processor (its image tokens between begin/end markers,
-    expanded by the grid) and model (its glm4v tower and decoder)."""
+@pytest.mark.parametrize("model", [GLM4V, GLM4V_MOE])
+def test_glm4v_takes_qwen2_vls_patches_into_its_own_tower(home, model):
+    """GLM-4.1V (and GLM-4.5V, experts in its decoder) through mlx-vlm's own processor (its image
+    tokens between begin/end markers, expanded by the grid) and model (its tower and decoder)."""
     from mlx_vlm.utils import load_model
 
-    path = resolve_model(GLM4V, home)
+    path = resolve_model(model, home)
     config = json.loads((path / "config.json").read_text())
-    assert type(_processor(str(path))).__name__ == "Glm46VProcessor"
-    assert type(load_model(path)).__module__.endswith("glm4v.glm4v")
+    family = config["model_type"]
+    assert type(_processor(str(path))).__name__ == ("Glm46VMoEProcessor" if model == GLM4V_MOE else "Glm46VProcessor")
+    vlm = load_model(path)
+    assert type(vlm).__module__.endswith(f"{family}.{family}")
+    assert ("MoE" in type(vlm.language_model.model.layers[1].mlp).__name__) == (model == GLM4V_MOE)
     grids = set()
     for size in [(80, 100), (40, 120)]:
         ids, data = prepare(path, "Hi", image(1, size))
