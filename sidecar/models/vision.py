@@ -157,10 +157,13 @@ class Qwen2VL(VisionLanguageModel):
         self.image_token_id = int(vlm.config.image_token_id)
         vc = vlm.config.vision_config
         self.merge = int(vc.spatial_merge_size)
-        self.patch_width = int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
+        self.patch_shape: tuple[int, ...] = (int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2),)
+
+    def tower_dtype(self) -> mx.Dtype:
+        return self.vision_tower.patch_embed.proj.weight.dtype
 
     def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
-        """pixel_values [t*h*w, C*tp*p*p] float, image_grid_thw (t, h, w), t*h*w/merge^2 embeddings."""
+        """pixel_values [t*h*w, *patch_shape] float, image_grid_thw (t, h, w), t*h*w/merge^2 embeddings."""
         (grid,) = _need(data, ("image_grid_thw",), self.family, path)
         if grid.dtype.kind not in "iu" or grid.size != 3 or (grid.reshape(-1) < 1).any():
             raise ProtocolError("expected 3 positive integers (t, h, w)", field=f"{path}.data.image_grid_thw")
@@ -169,17 +172,17 @@ class Qwen2VL(VisionLanguageModel):
             raise ProtocolError(f"h and w must be multiples of the merge size {self.merge}",
                                 field=f"{path}.data.image_grid_thw")
         pv = _need(data, ("pixel_values",), self.family, path)[0] if tensors else None
-        if pv is not None and (pv.dtype.kind != "f" or pv.shape != (t * h * w, self.patch_width)):
-            raise ProtocolError(f"expected a float array of shape [{t * h * w}, {self.patch_width}] for grid "
+        if pv is not None and (pv.dtype.kind != "f" or pv.shape != (t * h * w, *self.patch_shape)):
+            raise ProtocolError(f"expected a float array of shape {[t * h * w, *self.patch_shape]} for grid "
                                 f"{[t, h, w]}, got {pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
         if t * h * w // self.merge ** 2 != num_embeds:
             raise ProtocolError(f"grid {[t, h, w]} gives {t * h * w // self.merge ** 2} embeddings, the placeholder "
                                 f"takes {num_embeds}", field=f"{path}.mm_position")
 
     def encode(self, data: dict[str, np.ndarray]) -> mx.array:
-        dtype = self.vision_tower.patch_embed.proj.weight.dtype
         grid = mx.array(data["image_grid_thw"].reshape(1, 3).astype(np.int32))
-        return self.vision_tower(mx.array(data["pixel_values"]).astype(dtype), grid, output_hidden_states=False)
+        return self.vision_tower(mx.array(data["pixel_values"]).astype(self.tower_dtype()), grid,
+                                 output_hidden_states=False)
 
     def rope_positions(self, prompt: list[int], grids: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """M-RoPE positions of the prompt [3, P] and the offset of every later position
@@ -199,9 +202,8 @@ class Qwen3VL(Qwen2VL):
     of each row, so the cache, the chunk slicing and the merge treat them as one."""
 
     def encode(self, data: dict[str, np.ndarray]) -> mx.array:
-        dtype = self.vision_tower.patch_embed.proj.weight.dtype
         grid = mx.array(data["image_grid_thw"].reshape(1, 3).astype(np.int32))
-        features, deep = self.vision_tower(mx.array(data["pixel_values"]).astype(dtype), grid)
+        features, deep = self.vision_tower(mx.array(data["pixel_values"]).astype(self.tower_dtype()), grid)
         return mx.concatenate([features, *deep], axis=-1)
 
     def deepstack(self, visual: tuple[np.ndarray, mx.array] | None, shape: tuple[int, int]) -> dict:
@@ -216,6 +218,27 @@ class Qwen3VL(Qwen2VL):
         D = rows.shape[-1] // K
         return {"visual_pos_masks": mx.array(mask.reshape(shape)),
                 "deepstack_visual_embeds": [rows[:, k * D:(k + 1) * D] for k in range(K)]}
+
+
+class PaddleOCRVL(Qwen2VL):
+    """PaddleOCR-VL: Qwen2-VL's grid and M-RoPE; patches of one frame as [t*h*w, C, p, p] into its
+    NaViT tower, whose projector merges them 2x2 into ERNIE-4.5's width."""
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        VisionLanguageModel.__init__(self, vlm, config)
+        self.vision_tower = vlm.visual
+        self.image_token_id = int(vlm.config.image_token_id)
+        vc = vlm.config.vision_config
+        self.merge = int(vc.spatial_merge_size)
+        self.patch_shape = (int(vc.num_channels), int(vc.patch_size), int(vc.patch_size))
+
+    def tower_dtype(self) -> mx.Dtype:
+        return self.vision_tower.embeddings.patch_embedding.weight.dtype
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        grid = mx.array(data["image_grid_thw"].reshape(1, 3).astype(np.int32))
+        pv = mx.array(data["pixel_values"])[None].astype(self.tower_dtype())  # (its tower takes a batch of one)
+        return self.vision_tower(pv, grid, output_hidden_states=False)
 
 
 class Gemma3(VisionLanguageModel):
@@ -354,4 +377,4 @@ class Mistral3(VisionLanguageModel):
 SERVED: dict[str, type[VisionLanguageModel]] = {
     "qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL, "gemma3": Gemma3,
     "idefics3": Idefics3, "smolvlm": Idefics3, "mistral3": Mistral3, "glm4v": Qwen2VL,
-    "glm4v_moe": Qwen2VL}
+    "glm4v_moe": Qwen2VL, "paddleocr_vl": PaddleOCRVL}

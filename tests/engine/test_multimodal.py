@@ -14,7 +14,7 @@ import pytest
 
 from sidecar.errors import ProtocolError
 from sidecar.models import resolve_model
-from tests.vision import (GLM4V, GLM4V_MOE, MODEL, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature, fresh, image, new_step, oracle,
+from tests.vision import (GLM4V, GLM4V_MOE, MODEL, PADDLE, QWEN3, QWEN3_MOE, QWEN25, MMDriver, feature, fresh, image, new_step, oracle,
                           prepare, tok)
 
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves
 N = 8
 
 
-@pytest.fixture(scope="module", params=[MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V, GLM4V_MOE])
+@pytest.fixture(scope="module", params=[MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V, GLM4V_MOE, PADDLE])
 def model(request):
     return request.param
 

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from sidecar.errors import ProtocolError  # noqa: E402
-from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, MMDriver,  # noqa: E402
-                          feature, fresh, image, new_step, oracle, prepare, tok)
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, PADDLE, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM,  # noqa: E402
+                          MMDriver, feature, fresh, image, new_step, oracle, prepare, tok)
 
 N = 8
 
@@ -29,14 +29,14 @@ def test_only_served_vision_families_take_images(home, tmp_path):
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
     assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
     assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm",
-                           "mistral3", "glm4v", "glm4v_moe"}
+                           "mistral3", "glm4v", "glm4v_moe", "paddleocr_vl"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
     assert model_type(other) == "llava" and not is_served(other)  # its text half serves; images refused by name
 
 
-@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V, GLM4V_MOE])
+@pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V, GLM4V_MOE, PADDLE])
 def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worker, home, model):
     """The adapter's logits for a whole prompt with an image equal mlx-vlm's Model.__call__
     (Qwen3-VL's with its deepstack rows; without them, or with plain positions, they differ: the
@@ -52,7 +52,8 @@ def test_positions_are_mlx_vlms_and_the_model_matches_its_own_forward(make_worke
         mx.array([ids]), mx.array(data["image_grid_thw"].reshape(1, 3)))
     assert (pos == np.array(ref[:, 0])).all() and delta == int(np.array(ref_delta).reshape(-1)[0]) and delta < 0
     vlm = load_model(path)
-    want = vlm(mx.array([ids]), mx.array(data["pixel_values"]), image_grid_thw=mx.array(data["image_grid_thw"][None]))
+    pv = mx.array(data["pixel_values"])
+    want = vlm(mx.array([ids]), pv[None] if model == PADDLE else pv, image_grid_thw=mx.array(data["image_grid_thw"][None]))
     enc = m.encode(data)
     emb = m.embed(mx.array([ids]))
     mask = np.array(ids) == m.image_token_id

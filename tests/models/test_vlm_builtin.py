@@ -25,7 +25,7 @@ def test_resolves_and_is_deterministic(home, tmp_path):
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
     assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-gemma3-vl",
-                                "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "tiny-glm4v", "tiny-glm4v-moe",
+                                "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "tiny-glm4v", "tiny-glm4v-moe", "tiny-paddleocr-vl",
                                 "small-qwen2.5-vl"]
 
 

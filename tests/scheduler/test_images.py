@@ -17,7 +17,8 @@ from tests.server.serverproc import start_server
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, image, oracle  # noqa: E402
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM,  # noqa: E402
+                          image, oracle)
 
 N = 6
 
@@ -79,7 +80,8 @@ def test_the_same_image_under_another_question_reuses_the_kv_past_the_image(make
 def test_two_images_of_different_sizes_in_one_request_equal_mlx_vlm_generate(make_worker, home, tmp_path, model):
     """Both images' items in one prompt (M-RoPE positions past two grids, Qwen3-VL's deepstack rows
     of two items in one row; two placeholder lengths where the family's depend on the size),
-    prefilled in chunks of 16 that split them."""
+    prefilled in chunks of 16 that split them. (Not PaddleOCR-VL: mlx-vlm's processor takes one
+    image size per call.)"""
     from mlx_vlm import generate
     from PIL import Image
 
