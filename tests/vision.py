@@ -26,15 +26,17 @@ SMOLVLM = "builtin:tiny-smolvlm"
 GLM4V = "builtin:tiny-glm4v"
 GLM4V_MOE = "builtin:tiny-glm4v-moe"
 PADDLE = "builtin:tiny-paddleocr-vl"
+LFM2 = "builtin:tiny-lfm2-vl"
 # Each family's prompt around a user turn ({}: its content) and its image marker.
 PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
            "gemma3": "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
            "idefics3": "<|begin_of_text|>User:{}<end_of_utterance>\nAssistant:", "mistral3": "<s>[INST]{}[/INST]",
            "smolvlm": "<|im_start|>User:{}<end_of_utterance>\nAssistant:",
-           "glm4v": "[gMASK]<sop><|user|>\n{}<|assistant|>\n", "paddleocr_vl": "<s>User: {}\nAssistant: "}
+           "glm4v": "[gMASK]<sop><|user|>\n{}<|assistant|>\n", "paddleocr_vl": "<s>User: {}\nAssistant: ",
+           "lfm2_vl": "<|startoftext|><|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"}
 IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>", "idefics3": "<image>",
           "mistral3": "[IMG]", "smolvlm": "<image>", "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
-          "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"}
+          "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>", "lfm2_vl": "<image>"}
 for _qwen in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
     PROMPTS[_qwen], IMAGES[_qwen] = PROMPTS["qwen2_vl"], IMAGES["qwen2_vl"]
 PROMPTS["glm4v_moe"], IMAGES["glm4v_moe"] = PROMPTS["glm4v"], IMAGES["glm4v"]
@@ -77,7 +79,10 @@ def prepare(path: Path, text: str, img, image_first: bool = False) -> tuple[list
     inputs = _processor(str(path))(text=[_prompt(path, text, image_first)], images=[img])
     ids = np.array(inputs["input_ids"])[0].tolist()
     data = {"pixel_values": np.array(inputs["pixel_values"], np.float32)}
-    if "pixel_attention_mask" in inputs:  # idefics3: [1, tiles, ...] for the one image
+    if "spatial_shapes" in inputs:  # lfm2_vl: [views, patches, C*p*p] with its mask and each view's shape
+        data.update(pixel_attention_mask=np.array(inputs["pixel_attention_mask"], np.int64),
+                    spatial_shapes=np.array(inputs["spatial_shapes"], np.int64))
+    elif "pixel_attention_mask" in inputs:  # idefics3: [1, tiles, ...] for the one image
         data = {"pixel_values": data["pixel_values"][0],
                 "pixel_attention_mask": np.array(inputs["pixel_attention_mask"], np.int64)[0]}
     elif data["pixel_values"].ndim == 5:  # paddleocr_vl: [1, patches, C, p, p]

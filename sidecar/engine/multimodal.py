@@ -25,7 +25,7 @@ from sidecar.wire.protocol import SchedulerOutput
 
 if TYPE_CHECKING:
     from sidecar.engine.state import RequestState, Row
-    from sidecar.models.vision import VisionLanguageModel
+    from sidecar.models.vlm_model import VisionLanguageModel
 
 
 @dataclass

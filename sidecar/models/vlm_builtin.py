@@ -46,7 +46,7 @@ VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qw
                                   "tiny-gemma3-vl": VLMSpec("gemma3"), "tiny-idefics3": VLMSpec("idefics3"),
                                   "tiny-mistral3": VLMSpec("mistral3"), "tiny-smolvlm": VLMSpec("smolvlm"),
                                   "tiny-glm4v": VLMSpec("glm4v"), "tiny-glm4v-moe": VLMSpec("glm4v_moe"),
-                                  "tiny-paddleocr-vl": VLMSpec("paddleocr_vl"),
+                                  "tiny-paddleocr-vl": VLMSpec("paddleocr_vl"), "tiny-lfm2-vl": VLMSpec("lfm2_vl"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 

@@ -265,6 +265,54 @@ def paddleocr_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
             "generation_config.json": {"eos_token_id": ids["</s>"], "do_sample": False}}
 
 
+
+LFM_TOKENS = ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<image>", "<|image_start|>", "<|image_end|>",
+              "<|img_thumbnail|>")
+LFM_CHAT_TEMPLATE = (
+    "<|startoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def lfm2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    """LFM2-VL's layout: SigLIP2's NaFlex tower over packed patches of 16 at the image's own aspect
+    ratio, pixel-unshuffled 2x2 into LFM2's hybrid decoder (short convolutions and attention)."""
+    tok = train(512)
+    tok.post_processor = None
+    tok.add_special_tokens(list(LFM_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in LFM_TOKENS}
+    text = {"model_type": "lfm2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_heads": 4, "max_position_embeddings": 4096,
+            "rope_theta": 1000000.0, "vocab_size": tok.get_vocab_size(), "norm_eps": 1e-5, "block_dim": 64,
+            "block_ff_dim": 128, "block_auto_adjust_ff_dim": False, "conv_L_cache": 3, "conv_bias": False,
+            "conv_dim": 64, "conv_dim_out": 64, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1],
+            "tie_word_embeddings": True, "eos_token_id": ids["<|im_end|>"], "torch_dtype": "float32"}
+    vision = {"model_type": "siglip2_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_channels": 3, "patch_size": 16, "num_patches": 256,
+              "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "vision_use_head": False}
+    config = {"architectures": ["Lfm2VlForConditionalGeneration"], "model_type": "lfm2_vl", "text_config": text,
+              "vision_config": vision, "image_token_id": ids["<image>"], "downsample_factor": 2,
+              "encoder_patch_size": 16, "projector_hidden_size": 64, "projector_hidden_act": "gelu",
+              "projector_bias": True, "projector_use_layernorm": True, "vision_feature_layer": -1,
+              "min_image_tokens": 16, "max_image_tokens": 64, "max_num_patches": 256, "tile_size": 128,
+              "do_image_splitting": True, "use_image_special_tokens": True, "use_thumbnail": True,
+              "eos_token_id": ids["<|im_end|>"], "tie_word_embeddings": True, "hidden_size": 64, "torch_dtype": "float32"}
+    image = {"image_processor_type": "Lfm2VlImageProcessorFast", "processor_class": "Lfm2VlProcessor",
+             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3,
+             "image_std": [0.5] * 3, "downsample_factor": 2, "encoder_patch_size": 16, "min_image_tokens": 16,
+             "max_image_tokens": 64, "tile_size": 128, "max_pixels_tolerance": 2.0, "resample": 2}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>", "eos_token": "<|im_end|>",
+        "pad_token": "<|pad|>", "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "chat_template": LFM_CHAT_TEMPLATE,
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "processor_config.json": {"processor_class": "Lfm2VlProcessor", "use_image_special_tokens": True},
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": ids["<|im_end|>"], "do_sample": False}}
+
 def layout(family: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     """The files of `family`'s tiny built-in."""
     if family == "smolvlm":
@@ -272,4 +320,4 @@ def layout(family: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     if family == "glm4v_moe":
         return glm4v(train, moe=True)
     return {"gemma3": gemma3, "idefics3": idefics3, "mistral3": mistral3, "glm4v": glm4v,
-            "paddleocr_vl": paddleocr_vl}[family](train)
+            "paddleocr_vl": paddleocr_vl, "lfm2_vl": lfm2_vl}[family](train)

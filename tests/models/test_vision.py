@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from sidecar.errors import ProtocolError  # noqa: E402
-from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, PADDLE, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM,  # noqa: E402
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, LFM2, MISTRAL, MODEL, PADDLE, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM,  # noqa: E402
                           MMDriver, feature, fresh, image, new_step, oracle, prepare, tok)
 
 N = 8
@@ -29,7 +29,7 @@ def test_only_served_vision_families_take_images(home, tmp_path):
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
     assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
     assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm",
-                           "mistral3", "glm4v", "glm4v_moe", "paddleocr_vl"}
+                           "mistral3", "glm4v", "glm4v_moe", "paddleocr_vl", "lfm2_vl"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
@@ -104,7 +104,7 @@ def test_mistral3_runs_rows_apart_past_ministral3s_original_context(make_worker,
     assert make_worker(str(plain), num_blocks=16).runner.caches.rows_apart_past is None
 
 
-@pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL, SMOLVLM])
+@pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL, SMOLVLM, LFM2])
 def family(request, make_worker, home):
     path = resolve_model(request.param, home)
     w = make_worker(request.param, num_blocks=96)
@@ -139,7 +139,8 @@ def test_families_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated
 def test_families_prefix_cached_item_without_its_pixels(family):
     """An item the prefix-cache hit covers whole comes without its pixels, keeping the family's
     other tensors (Idefics3's pixel mask, Mistral 3's image size) or none: no encoder run, the
-    same tokens."""
+    same tokens. LFM2-VL's decoder keeps a recurrent state, so a prefix hit is refused for it as
+    for any such model (a 400 naming num_computed_tokens, nothing changed)."""
     w, path = family
     text = "Describe the sea, then the sky, and then the ships on it."
     ids, data = prepare(path, text, image(0), image_first=True)
@@ -154,6 +155,11 @@ def test_families_prefix_cached_item_without_its_pixels(family):
     item["data"] = item["data"] or None
     runs = w.runner.mm.stats.runs
     d.add_mm("b", ids, [item], blocks=a.blocks[: hit // bs] + d.alloc(4), computed=hit)
+    if w.runner.caches.has_state:
+        with pytest.raises(ProtocolError) as e:
+            d.run(N)
+        assert e.value.field == "scheduled_new_reqs[0].num_computed_tokens" and "b" not in w.runner.requests
+        return
     assert d.run(N)["b"] == want and w.runner.mm.stats.runs == runs
 
 
@@ -161,7 +167,8 @@ def test_families_refuse_pixels_of_another_size(family):
     w, path = family
     ids, data = prepare(path, "Describe the sea.", image(0))
     fresh(w)
-    feat = feature(ids, {"pixel_values": np.zeros((1, 3, 30, 30), np.float32)}, "small", tok(w))
+    others = {k: v for k, v in data.items() if k != "image_sizes"}  # (LFM2-VL's are required; Mistral 3's optional)
+    feat = feature(ids, {**others, "pixel_values": np.zeros((1, 3, 30, 30), np.float32)}, "small", tok(w))
     with pytest.raises(ProtocolError) as e:
         w.execute_model(new_step(w, ids, feat))
     assert e.value.field == "scheduled_new_reqs[0].mm_features[0].data.pixel_values" and not w.runner.requests
@@ -188,6 +195,43 @@ def test_mistral3_bad_image_sizes_are_refused_naming_the_field(make_worker, home
     assert e.value.field == f"scheduled_new_reqs[0].mm_features[0].{field}" and not w.runner.requests
 
 
+def test_lfm2_vl_tiles_a_large_image_and_keeps_its_convolution_state_across_chunks(make_worker, home):
+    """A 300x500 image is 6 tiles and a thumbnail (7 views, row and column markers between them)
+    into LFM2's hybrid decoder, prefilled in chunks of 7 beside a text request: mlx-vlm's tokens."""
+    path = resolve_model(LFM2, home)
+    w = make_worker(LFM2, num_blocks=96)
+    ids, data = prepare(path, "Describe the sea.", image(2, (300, 500)))
+    assert data["spatial_shapes"].shape == (7, 2) and w.runner.caches.has_state
+    d = fresh(w)
+    d.add_mm("a", ids, [feature(ids, data, "big", tok(w))])
+    d.add("text", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    assert d.run(N, chunk=7)["a"] == oracle(path, "Describe the sea.", image(2, (300, 500)), N)
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.update(spatial_shapes=d["spatial_shapes"] + 1), "data.spatial_shapes"),  # odd: not unshuffled 2x2
+    (lambda d: d.update(spatial_shapes=d["spatial_shapes"].astype(np.float32)), "data.spatial_shapes"),
+    (lambda d: d.update(spatial_shapes=d["spatial_shapes"] * 4), "data.spatial_shapes"),  # more patches than sent
+    (lambda d: d.update(spatial_shapes=np.array([[8, 10, 1]])), "data.spatial_shapes"),
+    (lambda d: d["pixel_attention_mask"].__setitem__((0, 0), 0), "data.pixel_attention_mask"),
+    (lambda d: d.update(pixel_attention_mask=d["pixel_attention_mask"][:, :-1]), "data.pixel_attention_mask"),
+    (lambda d: d.update(pixel_values=d["pixel_values"][..., :-1]), "data.pixel_values"),
+    (lambda d: d.update(spatial_shapes=d["spatial_shapes"] - [0, 2],
+                        pixel_attention_mask=(np.arange(d["pixel_attention_mask"].shape[1]) < 64)[None].astype(np.int64)),
+     "mm_position"),  # 8x8 patches: 16 embeddings for a placeholder of 20
+    (lambda d: d.pop("spatial_shapes"), "data"),
+])
+def test_lfm2_vl_bad_views_are_refused_naming_the_field(make_worker, home, change, field):
+    w = make_worker(LFM2, num_blocks=96)
+    ids, data = prepare(resolve_model(LFM2, home), "Describe the sea.", image(0))
+    assert data["spatial_shapes"].tolist() == [[8, 10]]
+    fresh(w)
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        w.execute_model(new_step(w, ids, feature(ids, data, "bad", tok(w))))
+    assert e.value.field == f"scheduled_new_reqs[0].mm_features[0].{field}" and not w.runner.requests
+
+
 @pytest.mark.parametrize("form", ["padded", "vllm"])
 def test_mistral3_pixels_as_batch_processors_and_vllm_send_them_give_the_same_tokens(make_worker, home, form):
     """padded: a batch processor pads every image to the largest, `image_sizes` says which part is
@@ -207,7 +251,7 @@ def test_mistral3_pixels_as_batch_processors_and_vllm_send_them_give_the_same_to
 def test_qwen3_vl_deepstack_features_matter(home, make_worker, monkeypatch):
     """Negative control: Qwen3-VL without its deepstack features (the image's rows merged into the
     input embeddings only) gives other log-probabilities than with them, which give mlx-vlm's tokens."""
-    from sidecar.models.vision import Qwen3VL
+    from sidecar.models.vlm_families import Qwen3VL
 
     path = resolve_model(QWEN3, home)
     worker = make_worker(QWEN3, num_blocks=96)

@@ -15,7 +15,7 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, _processor, image,  # noqa: E402
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, LFM2, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, _processor, image,  # noqa: E402
                           prepare)
 
 
@@ -25,8 +25,8 @@ def test_resolves_and_is_deterministic(home, tmp_path):
         p.name for p in path.iterdir()}
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
     assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-gemma3-vl",
-                                "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "tiny-glm4v", "tiny-glm4v-moe", "tiny-paddleocr-vl",
-                                "small-qwen2.5-vl"]
+                                "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "tiny-glm4v", "tiny-glm4v-moe",
+                                "tiny-paddleocr-vl", "tiny-lfm2-vl", "small-qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25])
@@ -88,6 +88,25 @@ def test_glm4v_takes_qwen2_vls_patches_into_its_own_tower(home, model):
         assert ids[at + n] == config["image_end_token_id"]
         grids.add(tuple(grid))
     assert len(grids) == 2
+
+
+def test_lfm2_vl_views_are_packed_patches_unshuffled_into_a_hybrid_decoder(home):
+    """LFM2-VL through transformers' processor with mlx-vlm's NumPy image processor (no torch):
+    packed patches of 16 per view, (h/2)*(w/2) image tokens per view; a decoder of short
+    convolutions and attention."""
+    from mlx_vlm.utils import load_model
+
+    path = resolve_model(LFM2, home)
+    config = json.loads((path / "config.json").read_text())
+    proc = _processor(str(path))
+    assert type(proc).__name__ == "Lfm2VlProcessor" and type(proc.image_processor).__name__ == "Lfm2VlNumpyImageProcessor"
+    assert [type(lyr).__name__ for lyr in load_model(path).language_model.model.layers] == ["Lfm2DecoderLayer"] * 2
+    for size in [(80, 100), (300, 500)]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        shapes = data["spatial_shapes"]
+        assert data["pixel_values"].shape == (len(shapes), 256, 3 * 16 * 16)
+        assert ids.count(config["image_token_id"]) == int((shapes // 2).prod(axis=1).sum())
+        assert (data["pixel_attention_mask"].sum(axis=1) == shapes.prod(axis=1)).all()
 
 
 def test_gemma3_images_are_four_soft_tokens_between_markers(home):
