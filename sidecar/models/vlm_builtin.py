@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from sidecar.models import vlm_layouts
 from sidecar.models.store import MARKER, ensure_generated, init_tensor, write_json
-from sidecar.models.vlm_layouts import CLIP_MEAN, CLIP_STD
+from sidecar.models.vlm_layouts import CLIP_MEAN, CLIP_STD, QWEN_CHAT_TEMPLATE
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -25,13 +25,6 @@ SEED = 1234
 # Qwen2-VL's special tokens (transformers' Qwen2VLProcessor finds the image token by this name).
 QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                "<|video_pad|>", "<|endoftext|>")
-QWEN_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @dataclass(frozen=True)

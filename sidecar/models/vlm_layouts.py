@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]  # image normalisation
+# ChatML with Qwen-VL's image markers (models/vlm_builtin.py); LFM2-VL's is the same with its own.
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 IDEFICS_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
                   "<global-img>")
@@ -268,12 +276,7 @@ def paddleocr_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
 
 LFM_TOKENS = ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<image>", "<|image_start|>", "<|image_end|>",
               "<|img_thumbnail|>")
-LFM_CHAT_TEMPLATE = (
-    "<|startoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] in ('image', 'image_url') %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+LFM_CHAT_TEMPLATE = "<|startoftext|>" + QWEN_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
 
 
 def lfm2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
