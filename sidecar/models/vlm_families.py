@@ -256,10 +256,11 @@ class Lfm2VL(VisionLanguageModel):
         self.patch_width = int(vc.num_channels) * int(vc.patch_size) ** 2
 
     def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
-        """pixel_values [views, P, C*p*p] float, pixel_attention_mask [views, P], spatial_shapes
-        [views, 2] (each view's patch rows and columns, multiples of the unshuffle factor, the
-        first h*w of its P patches real): sum of (h/f)*(w/f) embeddings."""
-        pv, mask, shapes = need(data, ("pixel_values", "pixel_attention_mask", "spatial_shapes"), self.family, path)
+        """pixel_values [views, P, C*p*p] float, spatial_shapes [views, 2] (each view's patch rows
+        and columns, multiples of the unshuffle factor, the first h*w of its P patches real), and
+        optionally pixel_attention_mask [views, P] saying the same (vLLM sends none): sum of
+        (h/f)*(w/f) embeddings."""
+        pv, shapes = need(data, ("pixel_values", "spatial_shapes"), self.family, path)
         if pv.dtype.kind != "f" or pv.ndim != 3 or pv.shape[-1] != self.patch_width or 0 in pv.shape:
             raise ProtocolError(f"expected a float array of shape [views, patches, {self.patch_width}], got "
                                 f"{pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
@@ -267,8 +268,9 @@ class Lfm2VL(VisionLanguageModel):
                 or (shapes % self.factor).any() or (shapes.prod(axis=1) > pv.shape[1]).any():
             raise ProtocolError(f"expected {pv.shape[0]} (rows, columns) of patches, multiples of {self.factor}, "
                                 f"each at most {pv.shape[1]} patches", field=f"{path}.data.spatial_shapes")
-        if mask.shape != pv.shape[:2] or mask.dtype.kind not in "biu" or \
-                (mask.astype(bool).sum(axis=1) != shapes.prod(axis=1)).any():
+        mask = data.get("pixel_attention_mask")
+        if mask is not None and (mask.shape != pv.shape[:2] or mask.dtype.kind not in "biu"
+                                 or (mask.astype(bool) != self._mask(shapes, pv.shape[1])).any()):
             raise ProtocolError(f"expected {list(pv.shape[:2])} flags, each view's first rows x columns set",
                                 field=f"{path}.data.pixel_attention_mask")
         n = int((shapes // self.factor).prod(axis=1).sum())
@@ -276,7 +278,13 @@ class Lfm2VL(VisionLanguageModel):
             raise ProtocolError(f"the views give {n} embeddings, the placeholder takes {num_embeds}",
                                 field=f"{path}.mm_position")
 
+    @staticmethod
+    def _mask(shapes: np.ndarray, patches: int) -> np.ndarray:
+        """Each view's first h*w patches are real, the rest padding."""
+        return np.arange(patches)[None] < shapes.prod(axis=1)[:, None]
+
     def encode(self, data: dict[str, np.ndarray]) -> mx.array:
-        views = self._encode_images(mx.array(data["pixel_values"]), spatial_shapes=mx.array(data["spatial_shapes"]),
-                                    pixel_attention_mask=mx.array(data["pixel_attention_mask"].astype(bool)))
+        shapes, pv = data["spatial_shapes"], data["pixel_values"]
+        views = self._encode_images(mx.array(pv), spatial_shapes=mx.array(shapes),
+                                    pixel_attention_mask=mx.array(self._mask(shapes, pv.shape[1])))
         return mx.concatenate(views, axis=0)

@@ -208,6 +208,19 @@ def test_lfm2_vl_tiles_a_large_image_and_keeps_its_convolution_state_across_chun
     assert d.run(N, chunk=7)["a"] == oracle(path, "Describe the sea.", image(2, (300, 500)), N)
 
 
+def test_lfm2_vl_views_as_vllm_sends_them_give_the_same_tokens(make_worker, home):
+    """vLLM's item has no pixel_attention_mask (the views' shapes say which patches are real) and
+    adds num_patches: the same tokens as with the processor's own tensors."""
+    path = resolve_model(LFM2, home)
+    w = make_worker(LFM2, num_blocks=96)
+    ids, data = prepare(path, "Describe the sea.", image(2, (300, 500)))
+    vllm = {"pixel_values": data["pixel_values"], "spatial_shapes": data["spatial_shapes"],
+            "num_patches": np.array(len(data["spatial_shapes"]))}
+    d = fresh(w)
+    d.add_mm("a", ids, [feature(ids, vllm, "big", tok(w))])
+    assert d.run(N)["a"] == oracle(path, "Describe the sea.", image(2, (300, 500)), N)
+
+
 @pytest.mark.parametrize("change, field", [
     (lambda d: d.update(spatial_shapes=d["spatial_shapes"] + 1), "data.spatial_shapes"),  # odd: not unshuffled 2x2
     (lambda d: d.update(spatial_shapes=d["spatial_shapes"].astype(np.float32)), "data.spatial_shapes"),
@@ -220,6 +233,7 @@ def test_lfm2_vl_tiles_a_large_image_and_keeps_its_convolution_state_across_chun
                         pixel_attention_mask=(np.arange(d["pixel_attention_mask"].shape[1]) < 64)[None].astype(np.int64)),
      "mm_position"),  # 8x8 patches: 16 embeddings for a placeholder of 20
     (lambda d: d.pop("spatial_shapes"), "data"),
+    (lambda d: d["pixel_attention_mask"].__setitem__((0, 100), 1), "data.pixel_attention_mask"),  # a padding patch
 ])
 def test_lfm2_vl_bad_views_are_refused_naming_the_field(make_worker, home, change, field):
     w = make_worker(LFM2, num_blocks=96)
