@@ -21,11 +21,20 @@ class Qwen2VL(VisionLanguageModel):
 
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__(vlm, config)
-        self.vision_tower = vlm.vision_tower
+        self.vision_tower = self.tower_of(vlm)
         self.image_token_id = int(vlm.config.image_token_id)
         vc = vlm.config.vision_config
         self.merge = int(vc.spatial_merge_size)
-        self.patch_shape: tuple[int, ...] = (int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2),)
+        self.patch_shape = self.patch_shape_of(vc)
+
+    @staticmethod
+    def tower_of(vlm: nn.Module) -> nn.Module:
+        return vlm.vision_tower
+
+    @staticmethod
+    def patch_shape_of(vc: object) -> tuple[int, ...]:
+        """One row of pixel_values: a patch of temporal_patch_size frames, flattened."""
+        return (int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2),)  # type: ignore[attr-defined]
 
     def tower_dtype(self) -> mx.Dtype:
         return self.vision_tower.patch_embed.proj.weight.dtype
@@ -92,13 +101,13 @@ class PaddleOCRVL(Qwen2VL):
     """PaddleOCR-VL: Qwen2-VL's grid and M-RoPE; patches of one frame as [t*h*w, C, p, p] into its
     NaViT tower, whose projector merges them 2x2 into ERNIE-4.5's width."""
 
-    def __init__(self, vlm: nn.Module, config: dict):
-        VisionLanguageModel.__init__(self, vlm, config)
-        self.vision_tower = vlm.visual
-        self.image_token_id = int(vlm.config.image_token_id)
-        vc = vlm.config.vision_config
-        self.merge = int(vc.spatial_merge_size)
-        self.patch_shape = (int(vc.num_channels), int(vc.patch_size), int(vc.patch_size))
+    @staticmethod
+    def tower_of(vlm: nn.Module) -> nn.Module:
+        return vlm.visual
+
+    @staticmethod
+    def patch_shape_of(vc: object) -> tuple[int, ...]:
+        return (int(vc.num_channels), int(vc.patch_size), int(vc.patch_size))  # type: ignore[attr-defined]
 
     def tower_dtype(self) -> mx.Dtype:
         return self.vision_tower.embeddings.patch_embedding.weight.dtype
@@ -264,8 +273,10 @@ class Lfm2VL(VisionLanguageModel):
         if pv.dtype.kind != "f" or pv.ndim != 3 or pv.shape[-1] != self.patch_width or 0 in pv.shape:
             raise ProtocolError(f"expected a float array of shape [views, patches, {self.patch_width}], got "
                                 f"{pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
+        # (each side bounded first: a product of unbounded sides could wrap around in int64)
         if shapes.dtype.kind not in "iu" or shapes.shape != (pv.shape[0], 2) or (shapes < 1).any() \
-                or (shapes % self.factor).any() or (shapes.prod(axis=1) > pv.shape[1]).any():
+                or (shapes > pv.shape[1]).any() or (shapes % self.factor).any() \
+                or (shapes.prod(axis=1) > pv.shape[1]).any():
             raise ProtocolError(f"expected {pv.shape[0]} (rows, columns) of patches, multiples of {self.factor}, "
                                 f"each at most {pv.shape[1]} patches", field=f"{path}.data.spatial_shapes")
         mask = data.get("pixel_attention_mask")

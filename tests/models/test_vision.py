@@ -226,6 +226,8 @@ def test_lfm2_vl_views_as_vllm_sends_them_give_the_same_tokens(make_worker, home
     (lambda d: d.update(spatial_shapes=d["spatial_shapes"].astype(np.float32)), "data.spatial_shapes"),
     (lambda d: d.update(spatial_shapes=d["spatial_shapes"] * 4), "data.spatial_shapes"),  # more patches than sent
     (lambda d: d.update(spatial_shapes=np.array([[8, 10, 1]])), "data.spatial_shapes"),
+    # sides whose product wraps around in int64 to 4 x the 20 embeddings (and (h/2)*(w/2) to 20)
+    (lambda d: d.update(spatial_shapes=np.array([[12, 2 * 3074457345618258606]])), "data.spatial_shapes"),
     (lambda d: d["pixel_attention_mask"].__setitem__((0, 0), 0), "data.pixel_attention_mask"),
     (lambda d: d.update(pixel_attention_mask=d["pixel_attention_mask"][:, :-1]), "data.pixel_attention_mask"),
     (lambda d: d.update(pixel_values=d["pixel_values"][..., :-1]), "data.pixel_values"),
