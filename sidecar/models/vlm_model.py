@@ -37,12 +37,13 @@ class VisionLanguageModel(nn.Module):
     def make_cache(self) -> list:
         """mlx-lm's cache objects (what the paged cache probes) of the kinds mlx-vlm's model makes."""
         from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+        from mlx_vlm.models.cache import ArraysCache as StateCache
 
         own = getattr(self.language_model, "make_cache", None)
         if own is None:
             return [KVCache() for _ in self.layers]
         return [RotatingKVCache(max_size=c.max_size, keep=c.keep) if hasattr(c, "max_size")
-                else ArraysCache(len(c.cache)) if type(c).__name__ == "ArraysCache" else KVCache() for c in own()]
+                else ArraysCache(len(c.cache)) if isinstance(c, StateCache) else KVCache() for c in own()]
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.decoder.embed_tokens(ids)
