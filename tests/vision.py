@@ -27,6 +27,7 @@ GLM4V = "builtin:tiny-glm4v"
 GLM4V_MOE = "builtin:tiny-glm4v-moe"
 PADDLE = "builtin:tiny-paddleocr-vl"
 LFM2 = "builtin:tiny-lfm2-vl"
+INTERNVL = "builtin:tiny-internvl"
 # Each family's prompt around a user turn ({}: its content) and its image marker.
 PROMPTS = {"qwen2_vl": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
            "gemma3": "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
@@ -40,6 +41,7 @@ IMAGES = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "
 for _qwen in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
     PROMPTS[_qwen], IMAGES[_qwen] = PROMPTS["qwen2_vl"], IMAGES["qwen2_vl"]
 PROMPTS["glm4v_moe"], IMAGES["glm4v_moe"] = PROMPTS["glm4v"], IMAGES["glm4v"]
+PROMPTS["internvl"], IMAGES["internvl"] = PROMPTS["qwen2_vl"], "<IMG_CONTEXT>\n"
 
 
 def _prompt(path: Path, text: str, image_first: bool = False) -> str:
@@ -85,7 +87,7 @@ def prepare(path: Path, text: str, img, image_first: bool = False) -> tuple[list
     elif "pixel_attention_mask" in inputs:  # idefics3: [1, tiles, ...] for the one image
         data = {"pixel_values": data["pixel_values"][0],
                 "pixel_attention_mask": np.array(inputs["pixel_attention_mask"], np.int64)[0]}
-    elif data["pixel_values"].ndim == 5:  # paddleocr_vl: [1, patches, C, p, p]
+    elif data["pixel_values"].ndim == 5:  # paddleocr_vl: [1, patches, C, p, p]; internvl: [1, tiles, C, S, S]
         data["pixel_values"] = data["pixel_values"][0]
     if "image_sizes" in inputs:  # mistral3: the image's (height, width)
         data["image_sizes"] = np.array(inputs["image_sizes"], np.int64).reshape(-1)

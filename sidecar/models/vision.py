@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sidecar.models.vlm_families import Gemma3, Idefics3, Lfm2VL, Mistral3, PaddleOCRVL, Qwen2VL, Qwen3VL
+from sidecar.models.vlm_families import (Gemma3, Idefics3, InternVL, Lfm2VL, Mistral3, PaddleOCRVL, Qwen2VL,
+                                          Qwen3VL)
 from sidecar.models.vlm_model import VisionLanguageModel
 
 
@@ -61,4 +62,4 @@ def load_vision(path: Path) -> tuple[VisionLanguageModel, dict]:
 SERVED: dict[str, type[VisionLanguageModel]] = {
     "qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen2VL, "qwen3_vl": Qwen3VL, "qwen3_vl_moe": Qwen3VL, "gemma3": Gemma3,
     "idefics3": Idefics3, "smolvlm": Idefics3, "mistral3": Mistral3, "glm4v": Qwen2VL,
-    "glm4v_moe": Qwen2VL, "paddleocr_vl": PaddleOCRVL, "lfm2_vl": Lfm2VL}
+    "glm4v_moe": Qwen2VL, "paddleocr_vl": PaddleOCRVL, "lfm2_vl": Lfm2VL, "internvl": InternVL}

@@ -40,6 +40,7 @@ VLM_MODELS: dict[str, VLMSpec] = {"tiny-qwen2-vl": VLMSpec("qwen2_vl"), "tiny-qw
                                   "tiny-mistral3": VLMSpec("mistral3"), "tiny-smolvlm": VLMSpec("smolvlm"),
                                   "tiny-glm4v": VLMSpec("glm4v"), "tiny-glm4v-moe": VLMSpec("glm4v_moe"),
                                   "tiny-paddleocr-vl": VLMSpec("paddleocr_vl"), "tiny-lfm2-vl": VLMSpec("lfm2_vl"),
+                                  "tiny-internvl": VLMSpec("internvl"),
                                   "small-qwen2.5-vl": VLMSpec("qwen2_5_vl", small=True)}
 
 

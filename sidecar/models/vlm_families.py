@@ -148,9 +148,27 @@ class Gemma3(VisionLanguageModel):
         return self.projector(hidden)[0] / (self.hidden_size ** 0.5)
 
 
-class Idefics3(VisionLanguageModel):
-    """Idefics3, and SmolVLM (SmolVLM2: Idefics3's model under its own name): an image is tiles (its
-    splits plus a global view), each encoded and pixel-shuffled into `image_seq_len` embeddings."""
+class Tiles(VisionLanguageModel):
+    """An image as tiles of one size (its splits and a global view or thumbnail), each encoded into
+    `tile_tokens` embeddings."""
+
+    pixels: tuple[int, int, int]  # a tile's [C, S, S]
+    tile_tokens: int
+
+    def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
+        """pixel_values [tiles, C, S, S] float."""
+        (pv,) = need(data, ("pixel_values",), self.family, path)
+        if pv.dtype.kind != "f" or pv.ndim != 4 or pv.shape[1:] != self.pixels or pv.shape[0] < 1:
+            raise ProtocolError(f"expected a float array of shape [tiles, {', '.join(map(str, self.pixels))}], got "
+                                f"{pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
+        if num_embeds != pv.shape[0] * self.tile_tokens:
+            raise ProtocolError(f"{pv.shape[0]} tiles give {pv.shape[0] * self.tile_tokens} embeddings, the "
+                                f"placeholder takes {num_embeds}", field=f"{path}.mm_position")
+
+
+class Idefics3(Tiles):
+    """Idefics3, and SmolVLM (SmolVLM2: Idefics3's model under its own name): each tile encoded and
+    pixel-shuffled into `image_seq_len` embeddings."""
 
     def __init__(self, vlm: nn.Module, config: dict):
         super().__init__(vlm, config)
@@ -163,18 +181,12 @@ class Idefics3(VisionLanguageModel):
         self.tile_tokens = (int(vc.image_size) // self.patch) ** 2 // int(vlm.config.scale_factor) ** 2
 
     def check(self, data: dict[str, np.ndarray], num_embeds: int, path: str, tensors: bool = True) -> None:
-        """pixel_values [tiles, C, S, S] float, optional pixel_attention_mask [tiles, S, S]."""
-        (pv,) = need(data, ("pixel_values",), self.family, path)
-        if pv.dtype.kind != "f" or pv.ndim != 4 or pv.shape[1:] != self.pixels or pv.shape[0] < 1:
-            raise ProtocolError(f"expected a float array of shape [tiles, {', '.join(map(str, self.pixels))}], got "
-                                f"{pv.dtype.name} {list(pv.shape)}", field=f"{path}.data.pixel_values")
-        mask = data.get("pixel_attention_mask")
+        """Also an optional pixel_attention_mask [tiles, S, S]."""
+        super().check(data, num_embeds, path, tensors)
+        pv, mask = data["pixel_values"], data.get("pixel_attention_mask")
         if mask is not None and mask.shape != (pv.shape[0], *self.pixels[1:]):
             raise ProtocolError(f"expected shape {[pv.shape[0], *self.pixels[1:]]}, got {list(mask.shape)}",
                                 field=f"{path}.data.pixel_attention_mask")
-        if num_embeds != pv.shape[0] * self.tile_tokens:
-            raise ProtocolError(f"{pv.shape[0]} tiles give {pv.shape[0] * self.tile_tokens} embeddings, the "
-                                f"placeholder takes {num_embeds}", field=f"{path}.mm_position")
 
     def encode(self, data: dict[str, np.ndarray]) -> mx.array:
         """As Idefics3's get_input_embeddings: patches with any unmasked pixel attend, then the connector."""
@@ -187,6 +199,30 @@ class Idefics3(VisionLanguageModel):
         hidden, *_ = self.vision_model(pv.transpose(0, 2, 3, 1), patch_attention_mask=mx.array(patches),
                                        output_hidden_states=True)
         out = self.connector(hidden.astype(pv.dtype))
+        return out.reshape(-1, out.shape[-1])
+
+
+class InternVL(Tiles):
+    """InternVL (Hugging Face format, InternVL3.5): InternViT over each tile, its class token dropped,
+    pixel-shuffled into a quarter of the patches (`downsample_ratio` 0.5) and projected."""
+
+    def __init__(self, vlm: nn.Module, config: dict):
+        super().__init__(vlm, config)
+        self.vision_tower = vlm.vision_tower
+        self.projector = vlm.multi_modal_projector
+        self.image_token_id = int(vlm.config.image_token_id)
+        self.ratio = float(vlm.config.downsample_ratio)
+        vc = vlm.config.vision_config
+        self.pixels = (int(vc.num_channels), int(vc.image_size), int(vc.image_size))
+        self.tile_tokens = round((int(vc.image_size) // int(vc.patch_size)) ** 2 * self.ratio ** 2)
+
+    def encode(self, data: dict[str, np.ndarray]) -> mx.array:
+        """As InternVL's get_input_embeddings."""
+        from mlx_vlm.models.base import pixel_shuffle
+
+        pv = mx.array(data["pixel_values"]).transpose(0, 2, 3, 1)
+        hidden, _ = self.vision_tower(pv.astype(self.vision_tower.embeddings.patch_embeddings.projection.weight.dtype))
+        out = self.projector(pixel_shuffle(hidden[:, 1:], self.ratio))
         return out.reshape(-1, out.shape[-1])
 
 

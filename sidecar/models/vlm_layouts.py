@@ -1,7 +1,7 @@
 """The generated vision-language built-ins' files for the families beyond Qwen-VL (models/vlm_builtin.py
-writes them): Gemma 3, Idefics3 and SmolVLM, Mistral 3, GLM-4.1V and GLM-4.5V, PaddleOCR-VL. Each is
-the family's real layout at a tiny size: its config, its processor's config and a tokenizer with its
-image tokens and a chat template that places them."""
+writes them): Gemma 3, Idefics3 and SmolVLM, Mistral 3, GLM-4.1V and GLM-4.5V, PaddleOCR-VL, LFM2-VL,
+InternVL. Each is the family's real layout at a tiny size: its config, its processor's config and a
+tokenizer with its image tokens and a chat template that places them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]  # image normalisation
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 # ChatML with Qwen-VL's image markers (models/vlm_builtin.py); LFM2-VL's is the same with its own.
 QWEN_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -316,6 +317,49 @@ def lfm2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
             "tokenizer.json": json.loads(tok.to_str()),
             "generation_config.json": {"eos_token_id": ids["<|im_end|>"], "do_sample": False}}
 
+INTERNVL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<img>", "</img>", "<IMG_CONTEXT>")
+# InternVL's Hugging Face layout (InternVL3.5-hf): ChatML, each image marked by <IMG_CONTEXT>, which
+# the processor expands into <img>, the image's context tokens and </img>.
+INTERNVL_CHAT_TEMPLATE = QWEN_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
+INTERNVL_TILE = 56  # 4x4 patches of 14, pixel-shuffled 2x2: 4 tokens per tile; up to 4 tiles and a thumbnail
+
+
+def internvl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
+    """InternVL's layout (InternVL3.5, Hugging Face format): InternViT over square tiles of the image
+    (its closest aspect ratio's grid, and a thumbnail), each pixel-shuffled 2x2 into Qwen3's decoder."""
+    tok = train(512)
+    tok.post_processor = None
+    tok.add_special_tokens(list(INTERNVL_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in INTERNVL_TOKENS}
+    text = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 4096, "rope_theta": 1000000.0,
+            "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
+    vision = {"model_type": "internvl_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": [INTERNVL_TILE] * 2, "patch_size": [14, 14], "num_channels": 3,
+              "layer_norm_eps": 1e-6, "norm_type": "layer_norm", "use_qk_norm": False, "attention_bias": True,
+              "hidden_act": "gelu", "layer_scale_init_value": 0.1}
+    config = {"architectures": ["InternVLForConditionalGeneration"], "model_type": "internvl", "text_config": text,
+              "vision_config": vision, "image_token_id": ids["<IMG_CONTEXT>"], "downsample_ratio": 0.5,
+              "projector_hidden_act": "gelu", "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+              "max_dynamic_patch": 4, "min_dynamic_patch": 1, "use_thumbnail": True, "hidden_size": 64,
+              "torch_dtype": "float32"}
+    image = {"image_processor_type": "GotOcr2ImageProcessor", "processor_class": "InternVLProcessor",
+             "crop_to_patches": True, "min_patches": 1, "max_patches": 4, "size": {"height": INTERNVL_TILE,
+                                                                                  "width": INTERNVL_TILE},
+             "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+             "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD, "do_convert_rgb": True}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 4096, "clean_up_tokenization_spaces": False, "chat_template": INTERNVL_CHAT_TEMPLATE,
+        "context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>",
+    }
+    return {"config.json": config, "preprocessor_config.json": image, "tokenizer_config.json": tokenizer_config,
+            "processor_config.json": {"processor_class": "InternVLProcessor", "image_seq_length": 4},
+            "tokenizer.json": json.loads(tok.to_str()),
+            "generation_config.json": {"eos_token_id": ids["<|im_end|>"], "do_sample": False}}
+
+
 def layout(family: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     """The files of `family`'s tiny built-in."""
     if family == "smolvlm":
@@ -323,4 +367,4 @@ def layout(family: str, train: Callable[[int], Tokenizer]) -> dict[str, dict]:
     if family == "glm4v_moe":
         return glm4v(train, moe=True)
     return {"gemma3": gemma3, "idefics3": idefics3, "mistral3": mistral3, "glm4v": glm4v,
-            "paddleocr_vl": paddleocr_vl, "lfm2_vl": lfm2_vl}[family](train)
+            "paddleocr_vl": paddleocr_vl, "lfm2_vl": lfm2_vl, "internvl": internvl}[family](train)

@@ -103,7 +103,9 @@ def prepare(model_path: str | Path, prompt: str, images: list[str | Path],
         mine, at = at[:n], at[n:]
         span = ids[mine[0]: mine[-1] + 1]
         embed = [t == image_token for t in span]
-        data = {key: _item(one[key]) for key in one if key not in ("input_ids", "attention_mask", "token_type_ids")}
+        # (a plain number is the processor's own bookkeeping, no tensor: InternVL's image_token_index)
+        data = {key: _item(one[key]) for key in one
+                if key not in ("input_ids", "attention_mask", "token_type_ids") and not isinstance(one[key], int)}
         digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
         features.append({"modality": "image", "identifier": digest, "mm_hash": digest,
                          "mm_position": {"offset": mine[0], "length": len(span),

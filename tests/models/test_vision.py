@@ -18,8 +18,8 @@ pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
 from sidecar.errors import ProtocolError  # noqa: E402
-from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, LFM2, MISTRAL, MODEL, PADDLE, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM,  # noqa: E402
-                          MMDriver, feature, fresh, image, new_step, oracle, prepare, tok)
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, INTERNVL, LFM2, MISTRAL, MODEL, PADDLE, QWEN3, QWEN3_MOE,  # noqa: E402
+                          QWEN25, SMOLVLM, MMDriver, feature, fresh, image, new_step, oracle, prepare, tok)
 
 N = 8
 
@@ -29,7 +29,7 @@ def test_only_served_vision_families_take_images(home, tmp_path):
     assert not is_served(resolve_model("builtin:tiny", home)) and model_type(resolve_model("builtin:tiny", home)) is None
     assert is_served(resolve_model("builtin:tiny-gemma3-vl", home)) and is_served(resolve_model(QWEN25, home))
     assert set(SERVED) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm",
-                           "mistral3", "glm4v", "glm4v_moe", "paddleocr_vl", "lfm2_vl"}
+                           "mistral3", "glm4v", "glm4v_moe", "paddleocr_vl", "lfm2_vl", "internvl"}
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
@@ -104,7 +104,7 @@ def test_mistral3_runs_rows_apart_past_ministral3s_original_context(make_worker,
     assert make_worker(str(plain), num_blocks=16).runner.caches.rows_apart_past is None
 
 
-@pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL, SMOLVLM, LFM2])
+@pytest.fixture(scope="module", params=[GEMMA, IDEFICS, MISTRAL, SMOLVLM, LFM2, INTERNVL])
 def family(request, make_worker, home):
     path = resolve_model(request.param, home)
     w = make_worker(request.param, num_blocks=96)
@@ -116,7 +116,8 @@ def test_families_tokens_equal_mlx_vlm_generate_batched_with_text_and_a_repeated
     """Gemma 3: sliding-window layers (window 8, shorter than the prompt), features scaled as its
     get_input_embeddings does. Idefics3: 5 tiles of 4 embeddings inside a placeholder of 64
     positions, is_embed marking them. Mistral 3: 3 rows of 4 embeddings, each row closed by a
-    break token (not an embedding). Chunk 7 splits the images."""
+    break token (not an embedding). InternVL: 3 tiles of 4 embeddings between <img> and </img>.
+    Chunk 7 splits the images."""
     w, path = family
     ids, data = prepare(path, "Describe the sea.", image(0))
     want = oracle(path, "Describe the sea.", image(0), N)

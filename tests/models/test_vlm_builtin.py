@@ -15,8 +15,8 @@ from sidecar.models.vlm_builtin import QWEN_TOKENS, VLM_MODELS, vlm_files
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, LFM2, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM, _processor, image,  # noqa: E402
-                          prepare)
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, INTERNVL, LFM2, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25,  # noqa: E402
+                          SMOLVLM, _processor, image, prepare)
 
 
 def test_resolves_and_is_deterministic(home, tmp_path):
@@ -26,7 +26,7 @@ def test_resolves_and_is_deterministic(home, tmp_path):
     assert json.loads((path / "tokenizer.json").read_text()) == vlm_files("tiny-qwen2-vl", train_tokenizer)["tokenizer.json"]
     assert list(VLM_MODELS) == ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-gemma3-vl",
                                 "tiny-idefics3", "tiny-mistral3", "tiny-smolvlm", "tiny-glm4v", "tiny-glm4v-moe",
-                                "tiny-paddleocr-vl", "tiny-lfm2-vl", "small-qwen2.5-vl"]
+                                "tiny-paddleocr-vl", "tiny-lfm2-vl", "tiny-internvl", "small-qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25])
@@ -175,3 +175,27 @@ def test_qwen2_5_vl_is_its_own_family_with_a_windowed_tower(home):
 
     index, bounds = tower.get_window_index(mx.array([[1, 6, 8]]))
     assert len(set(np.array(bounds).tolist())) - 1 == 4
+
+
+def test_internvl_images_are_square_tiles_and_a_thumbnail_of_four_tokens(home):
+    """InternVL's processor (mlx-vlm's) tiles an image on the grid closest to its aspect ratio (up to
+    4 tiles of 56, plus a thumbnail when there are several), each 4 context tokens between <img>
+    and </img>; mlx-vlm loads its InternViT tower and Qwen3 decoder."""
+    from mlx_vlm.utils import load_model
+
+    path = resolve_model(INTERNVL, home)
+    config = json.loads((path / "config.json").read_text())
+    tokens = {t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
+    assert type(_processor(str(path))).__name__ == "InternVLProcessor"
+    vlm = load_model(path)
+    assert type(vlm.language_model).__module__.endswith("qwen3.language") and hasattr(vlm.vision_tower, "embeddings")
+    seen = set()
+    for size in [(56, 56), (80, 150), (200, 50)]:
+        ids, data = prepare(path, "Hi", image(1, size))
+        tiles = data["pixel_values"].shape[0]
+        assert data["pixel_values"].shape == (tiles, 3, 56, 56) and (tiles == 1 or tiles > 2)
+        first = ids.index(config["image_token_id"])
+        assert ids[first - 1] == tokens["<img>"] and ids[first + 4 * tiles] == tokens["</img>"]
+        assert ids.count(config["image_token_id"]) == 4 * tiles
+        seen.add(tiles)
+    assert len(seen) == 3

@@ -17,7 +17,7 @@ from tests.server.serverproc import start_server
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
 
-from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, LFM2, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM,  # noqa: E402
+from tests.vision import (GEMMA, GLM4V, GLM4V_MOE, IDEFICS, INTERNVL, LFM2, MISTRAL, MODEL, QWEN3, QWEN3_MOE, QWEN25, SMOLVLM,  # noqa: E402
                           image, oracle)
 
 N = 6
@@ -76,7 +76,7 @@ def test_the_same_image_under_another_question_reuses_the_kv_past_the_image(make
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GEMMA, IDEFICS, MISTRAL, SMOLVLM, GLM4V,
-                                   GLM4V_MOE, LFM2])
+                                   GLM4V_MOE, LFM2, INTERNVL])
 def test_two_images_of_different_sizes_in_one_request_equal_mlx_vlm_generate(make_worker, home, tmp_path, model):
     """Both images' items in one prompt (M-RoPE positions past two grids, Qwen3-VL's deepstack rows
     of two items in one row; two placeholder lengths where the family's depend on the size),

@@ -47,17 +47,19 @@ def test_features_convert_to_the_wire_and_back() -> None:
     assert features(multimodal.features([spec]), "f", 11)[0].data["pixel_values"].dtype == np.float32
 
 
-@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-gemma3-vl", "builtin:tiny-qwen2-vl", "builtin:tiny-smolvlm",
-                                   "builtin:tiny-glm4v"])
-def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_dir) -> None:
+@pytest.mark.parametrize("model, size", [(MODEL, [70, 90]), ("builtin:tiny-gemma3-vl", [70, 90]),
+                                         ("builtin:tiny-qwen2-vl", [70, 90]), ("builtin:tiny-smolvlm", [70, 90]),
+                                         ("builtin:tiny-glm4v", [70, 90]), ("builtin:tiny-internvl", [80, 150]),
+                                         ("builtin:tiny-internvl", [200, 50])])
+def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, size: list[int], vllm_model_dir) -> None:
     """transformers' image processor (what vLLM's processor calls) and mlx-vlm's, on the same image:
-    within 1e-6. (Qwen2-VL, SmolVLM, GLM-4.1V: their PIL image processors; the whole processors
-    need torchvision here.)"""
+    within 1e-6. (Qwen2-VL, SmolVLM, GLM-4.1V, InternVL: their PIL image processors; the whole
+    processors need torchvision here.)"""
     _need_vision()
     from PIL import Image
     from transformers import AutoProcessor
 
-    want = oracle({"vlm": model, "text": TEXT, "image_seed": 3, "size": [70, 90], "max_tokens": 1}, "")
+    want = oracle({"vlm": model, "text": TEXT, "image_seed": 3, "size": size, "max_tokens": 1}, "")
     img = Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
     if "qwen2" in model:
         from transformers import Qwen2VLImageProcessorPil
@@ -71,11 +73,31 @@ def test_the_pixels_vllms_processor_sends_are_mlx_vlms(model: str, vllm_model_di
         from transformers import Glm4vImageProcessorPil
 
         image_processor = Glm4vImageProcessorPil.from_pretrained(vllm_model_dir(model))
+    elif "internvl" in model:
+        from transformers import GotOcr2ImageProcessorPil
+
+        image_processor = GotOcr2ImageProcessorPil.from_pretrained(vllm_model_dir(model))
     else:
         image_processor = AutoProcessor.from_pretrained(vllm_model_dir(model)).image_processor
     got = image_processor(images=[img], return_tensors="np")["pixel_values"]
     ref = np.asarray(want["pixel_values"], np.float32)
     assert np.abs(got.reshape(ref.shape) - ref).max() <= 1e-6
+
+
+def test_internvls_processors_differ_on_the_grid_of_some_near_square_images(vllm_model_dir) -> None:
+    """Between two tile grids of the same aspect ratio (1x1 and 2x2 for a 70x90 image), InternVL's
+    own rule, which transformers' processor keeps, takes the larger once the image covers half of
+    it; mlx-vlm's takes the one closer to the image's area. Each request is served as its processor
+    made it (the placeholder holds as many tiles as the pixels have)."""
+    _need_vision()
+    from PIL import Image
+    from transformers import GotOcr2ImageProcessorPil
+
+    model = "builtin:tiny-internvl"
+    want = oracle({"vlm": model, "text": TEXT, "image_seed": 3, "size": [70, 90], "max_tokens": 1}, "")
+    img = Image.open(io.BytesIO(base64.b64decode(want["png"]))).convert("RGB")
+    got = GotOcr2ImageProcessorPil.from_pretrained(vllm_model_dir(model))(images=[img], return_tensors="np")
+    assert np.asarray(want["pixel_values"]).shape[0] == 1 and got["pixel_values"].shape[0] == 5
 
 
 def _need_vision() -> None:
