@@ -317,6 +317,7 @@ def lfm2_vl(train: Callable[[int], Tokenizer]) -> dict[str, dict]:
             "tokenizer.json": json.loads(tok.to_str()),
             "generation_config.json": {"eos_token_id": ids["<|im_end|>"], "do_sample": False}}
 
+
 INTERNVL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<img>", "</img>", "<IMG_CONTEXT>")
 # InternVL's Hugging Face layout (InternVL3.5-hf): ChatML, each image marked by <IMG_CONTEXT>, which
 # the processor expands into <img>, the image's context tokens and </img>.
