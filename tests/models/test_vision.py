@@ -6,13 +6,16 @@ deepstack rows."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from sidecar.config import Config
 from sidecar.models import resolve_model
-from sidecar.models.vision import SERVED, is_served, model_type
+from sidecar.models.vision import SERVED, is_served, model_type, unserved
+from sidecar.worker.mlx_worker import MLXWorker
 
 pytestmark = pytest.mark.vision  # make test-vision runs these; make test leaves them out
 pytest.importorskip("mlx_vlm", reason="the vision extra (make test-vision) is not installed")
@@ -34,6 +37,18 @@ def test_only_served_vision_families_take_images(home, tmp_path):
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
     assert model_type(other) == "llava" and not is_served(other)  # its text half serves; images refused by name
+    internvl3 = tmp_path / "internvl3"  # InternVL3's Qwen2.5 decoder: mlx-vlm's internvl module builds Qwen3's
+    internvl3.mkdir()
+    config = json.loads((resolve_model(INTERNVL, home) / "config.json").read_text())
+    assert is_served(resolve_model(INTERNVL, home)) and unserved(resolve_model(INTERNVL, home)) is None
+    (internvl3 / "config.json").write_text(json.dumps({**config, "text_config": {**config["text_config"], "model_type": "qwen2"}}))
+    assert not is_served(internvl3) and "internvl with a qwen2 decoder is not served" in unserved(internvl3)
+    shutil.copy(resolve_model(INTERNVL, home) / "model.safetensors", internvl3)
+    with pytest.raises(ProtocolError) as e:  # load_model names why rather than mlx-vlm's missing weights
+        w = MLXWorker(Config(model=str(internvl3), home=home))
+        w.init_device()
+        w.load_model()
+    assert e.value.field == "config.model" and "internvl with a qwen2 decoder is not served" in str(e.value)
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN25, QWEN3, QWEN3_MOE, GLM4V, GLM4V_MOE, PADDLE])
