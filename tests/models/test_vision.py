@@ -1,7 +1,7 @@
 """Which checkpoints take images, mlx-vlm's model code behind the runner's model interface, and each
-family's adapter through the worker against mlx-vlm's own generate: Gemma 3, Idefics3 and Mistral 3
-(the Qwen-VL families run the whole engine suite, tests/engine/test_multimodal.py), Qwen3-VL's
-deepstack rows."""
+family's adapter through the worker against mlx-vlm's own generate: Gemma 3, Idefics3, SmolVLM,
+Mistral 3, LFM2-VL and InternVL (the M-RoPE families run the whole engine suite,
+tests/engine/test_multimodal.py), Qwen3-VL's deepstack rows."""
 
 from __future__ import annotations
 
