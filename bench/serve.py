@@ -6,7 +6,9 @@ concurrency, for `--rounds` rounds, so a busy spell on the machine hits every si
 requests x output length: the client's re-tokenised count is wrong for a server that streams
 several tokens per chunk), median TTFT and TPOT, each side's ratio to the reference side, and the
 CPU seconds each side's processes spent per output token (on a Mac the forward is on the GPU: this
-is the host cost that stays). JSON with every run goes to `--json`.
+is the host cost that stays), and for the sides with a sidecar the share of the time its MLX thread
+waited for a call while steps ran (bench/idle.py: the device idle per step under vLLM). JSON with
+every run goes to `--json`.
 
 Sides (each only when installed): `sidecar` (vLLM's OpenAI server with the sidecar's platform
 plugin: async scheduling), `sidecar-sync` (the same, `--no-async-scheduling`), `worker-cls`
@@ -30,6 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Sequence
+
+from bench.idle import IdleProbe
 
 ROOT = Path(__file__).resolve().parent.parent
 PY, VLLM_PY, VLLM_MLX = ROOT / ".venv/bin/python", ROOT / ".venv-vllm/bin/python", ROOT / ".venv-vllm-mlx/bin/vllm-mlx"
@@ -75,6 +79,7 @@ class Side:
         self.port = free_port()
         self.served = "bench" if name in ("sidecar", "sidecar-sync", "worker-cls") else paths["weights"]
         self.ready_seconds: float | None = None
+        self.sidecar_url: str | None = None  # the sidecar behind vLLM, for its MLX thread's idle time
 
     def _spawn(self, argv: list[str], env: dict | None = None, tag: str = "") -> subprocess.Popen:
         log = open(self.log_dir / f"{self.name}{tag}.log", "wb")
@@ -92,8 +97,9 @@ class Side:
         if self.name in ("sidecar", "sidecar-sync", "worker-cls"):
             sport = free_port()
             self._spawn([str(PY), "-m", "sidecar", "serve", "--model", a.model, "--port", str(sport)], tag="-sidecar")
-            wait_http(f"http://127.0.0.1:{sport}/healthz", 120)
-            env = {"MLX_SIDECAR_URL": f"http://127.0.0.1:{sport}", "MLX_SIDECAR_PLATFORM": "1"}
+            self.sidecar_url = f"http://127.0.0.1:{sport}"
+            wait_http(f"{self.sidecar_url}/healthz", 120)
+            env = {"MLX_SIDECAR_URL": self.sidecar_url, "MLX_SIDECAR_PLATFORM": "1"}
             extra = []
             if self.name == "sidecar-sync":
                 extra = ["--no-async-scheduling"]
@@ -181,16 +187,19 @@ def bench_once(side: Side, concurrency: int, args: argparse.Namespace, out_dir: 
     body = extra_body(side.name, eos_token_ids(side.paths["vllm_dir"]))
     if body:
         argv += ["--extra-body", json.dumps(body)]
+    probe = IdleProbe(side.sidecar_url).start() if side.sidecar_url else None
     cpu0 = side.cpu_seconds()
     r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     cpu = side.cpu_seconds() - cpu0
+    idle = probe.stop() if probe else None
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {side.name} failed:\n{r.stderr[-3000:]}")
     res = json.loads((out_dir / name).read_text())
     tokens = counted_tokens(side.name, res, args.output_len)
     return {"side": side.name, "concurrency": concurrency, "completed": res["completed"], "failed": res.get("failed", 0),
             "tok_s": tokens / res["duration"], "median_ttft_ms": res["median_ttft_ms"],
-            "median_tpot_ms": res["median_tpot_ms"], "cpu_s_per_token": cpu / max(tokens, 1)}
+            "median_tpot_ms": res["median_tpot_ms"], "cpu_s_per_token": cpu / max(tokens, 1),
+            **({"mlx_idle_share": idle[0], "steps": idle[1]} if idle else {})}
 
 
 def summarise(runs: list[dict], sides: list[str], reference: str, concurrencies: list[int]) -> list[str]:
@@ -214,6 +223,12 @@ def summarise(runs: list[dict], sides: list[str], reference: str, concurrencies:
                 ratios.append(f"{s} {table[(s, c)]['tok_s'] / ref['tok_s']:.2f}")
         lines.append(f"{c:>4}  " + "  ".join(cells) + "   " + ", ".join(ratios))
     lines.append("(cells: output tok/s, median TTFT / TPOT ms, CPU ms per output token over all the side's processes)")
+    for s in sides:
+        idle = {c: statistics.median(r["mlx_idle_share"] for r in rs) for c in concurrencies
+                if (rs := [r for r in runs if r["side"] == s and r["concurrency"] == c and "mlx_idle_share" in r])}
+        if idle:
+            lines.append(f"{s}: the sidecar's MLX thread idle (waiting for a call) while steps ran: "
+                         + ", ".join(f"{v:.1%} at c={c}" for c, v in idle.items()))
     return lines
 
 
@@ -268,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r = runs[-1]
                     print(f"round {rnd} {side.name:>12} c={c:<3} {r['tok_s']:7.0f} tok/s  TTFT {r['median_ttft_ms']:6.1f} "
                           f"ms  TPOT {r['median_tpot_ms']:5.1f} ms  CPU {r['cpu_s_per_token'] * 1e3:5.2f} ms/token"
+                          + (f"  MLX thread idle {r['mlx_idle_share']:.0%}" if "mlx_idle_share" in r else "")
                           + (f"  ({r['failed']} requests FAILED: see the side's log)" if r["failed"] else ""),
                           flush=True)
     finally:

@@ -29,6 +29,13 @@ def test_the_table_has_every_side_and_the_ratio_to_the_reference() -> None:
     assert " - " in row8 and "sidecar" not in row8.split("   ")[-1]  # no reference at 8: no ratio, not a 0 or a crash
 
 
+def test_the_sidecars_idle_share_is_summarised_where_it_was_measured() -> None:
+    runs = [{**run("sidecar", 8, 900), "mlx_idle_share": share} for share in (0.02, 0.04, 0.09)]
+    lines = summarise([*runs, run("vllm-mlx", 8, 800)], ["sidecar", "vllm-mlx"], "vllm-mlx", [8])
+    assert [line for line in lines if "idle" in line] == [
+        "sidecar: the sidecar's MLX thread idle (waiting for a call) while steps ran: 4.0% at c=8"]  # the median
+
+
 def test_cpu_seconds_of_a_process_tree_count_its_children() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
                               "while time.process_time() - t < 0.3: pass\ntime.sleep(30)"])
