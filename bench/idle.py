@@ -60,17 +60,17 @@ class IdleProbe:
         self._thread = threading.Thread(target=self._run, name="idle-probe", daemon=True)
 
     def _sample(self) -> None:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
-            got = parse(r.read().decode())
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+                got = parse(r.read().decode())
+        except OSError:  # (a busy or restarting server: the window simply has fewer samples)
+            return
         if got is not None:
             self.samples.append(Sample(time.monotonic(), *got))
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._sample()
-            except OSError:  # (a busy or restarting server: the window simply has fewer samples)
-                pass
+            self._sample()
             self._stop.wait(self.period)
 
     def start(self) -> IdleProbe:

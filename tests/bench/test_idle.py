@@ -58,3 +58,11 @@ def test_a_pause_between_steps_is_idle_and_back_to_back_steps_are_not(home: str)
     # The pause is idle the probe sees inside the window (a negative control for a share stuck at 0),
     # and the share is no artefact of sampling: without a pause it is lower by much of the pause.
     assert shares[1.5] > shares[0.0] + 0.15, shares
+
+
+def test_a_server_that_does_not_answer_gives_no_figure_and_no_error() -> None:
+    from bench.serve import free_port
+
+    probe = IdleProbe(f"http://127.0.0.1:{free_port()}", period=0.01).start()  # nothing listens there
+    time.sleep(0.05)
+    assert probe.stop() is None and probe.samples == []
