@@ -1,7 +1,7 @@
 """How long the sidecar's MLX thread waits for a call while a benchmark's traffic runs.
 
-Under vLLM the thread's idle time is the device's: a step computes on it, and between two calls
-nothing runs but the decode queued ahead. A probe samples the server's counters
+Under vLLM that bounds the device's idle time from above: every forward is started on that thread,
+and while it waits for a call only the decode queued ahead may still be computing. A probe samples the server's counters
 (`mlx_worker_mlx_thread_idle_seconds_total`, `mlx_worker_steps_total`) every `period` seconds in a
 thread of its own; `idle_share` keeps only the stretch where steps ran (the client's own start-up
 and its pauses before the first step and after the last are not the device's to count). A scrape
