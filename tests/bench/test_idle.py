@@ -7,6 +7,7 @@ from typing import Callable
 
 from bench.idle import IdleProbe, Sample, idle_share, parse
 from sidecar.client.remote import RemoteWorker
+from sidecar.scheduler.generate import bring_up
 from sidecar.scheduler.scheduler import Request, Scheduler, run
 from tests.server.serverproc import start_server
 
@@ -37,9 +38,7 @@ def _burst(step: Callable[[dict], dict], sched: Scheduler, steps: int) -> None:
 def test_a_pause_between_steps_is_idle_and_back_to_back_steps_are_not(home: str) -> None:
     with start_server() as s:
         w = RemoteWorker(s.url)
-        w.init_device()
-        w.load_model()
-        w.initialize_cache(num_gpu_blocks=64)
+        bring_up(w, "created", max_blocks=64)
         info = w.info()
         shares = {}
         step = (lambda so: w.call("execute_model", scheduler_output=so))
