@@ -44,11 +44,11 @@ def test_a_pause_between_steps_is_idle_and_back_to_back_steps_are_not(home: str)
         step = (lambda so: w.call("execute_model", scheduler_output=so))
         for pause in (0.0, 1.5):
             sched = Scheduler(num_blocks=info["num_blocks"], block_size=info["block_size"], max_num_batched_tokens=64)
-            sched.add_request(Request(f"r{pause}", [1, 2, 3, 4], {"temperature": 0.0}, max_tokens=121, ignore_eos=True))
-            probe = IdleProbe(s.url, period=0.02).start()
-            _burst(step, sched, 60)
+            sched.add_request(Request(f"r{pause}", [1, 2, 3, 4], {"temperature": 0.0}, max_tokens=201, ignore_eos=True))
+            probe = IdleProbe(s.url, period=0.005).start()
+            _burst(step, sched, 100)
             time.sleep(pause)  # the client holds the next step back: the MLX thread waits
-            _burst(step, sched, 60)
+            _burst(step, sched, 100)
             got = probe.stop()
             run(sched, step)  # (its last token and the step that frees it)
             assert got is not None and got[1] > 0
