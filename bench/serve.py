@@ -7,7 +7,7 @@ requests x output length: the client's re-tokenised count is wrong for a server 
 several tokens per chunk), median TTFT and TPOT, each side's ratio to the reference side, and the
 CPU seconds each side's processes spent per output token (on a Mac the forward is on the GPU: this
 is the host cost that stays), and for the sides with a sidecar the share of the time its MLX thread
-waited for a call while steps ran (bench/idle.py: the device idle per step under vLLM). JSON with
+waited for a call while steps ran (bench/idle.py: at most the device's idle time). JSON with
 every run goes to `--json`.
 
 Sides (each only when installed): `sidecar` (vLLM's OpenAI server with the sidecar's platform
