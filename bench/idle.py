@@ -3,9 +3,10 @@
 Under vLLM that bounds the device's idle time from above: every forward is started on that
 thread, and while it waits for a call only the decode queued ahead may still be computing. A probe
 samples the server's counters (`mlx_worker_mlx_thread_idle_seconds_total`,
-`mlx_worker_steps_total`) every `period` seconds in a thread of its own; `idle_share` keeps only the stretch where steps ran (the client's own start-up
-and its pauses before the first step and after the last are not the device's to count). A scrape
-costs the sidecar about a millisecond of CPU: every 0.1 s, about 1% of a core.
+`mlx_worker_steps_total`) every `period` seconds in a thread of its own; `idle_share` keeps only
+the stretch where steps ran (the client's own start-up and its pauses before the first step and
+after the last are not the device's to count). A scrape costs the sidecar about a millisecond of
+CPU: every 0.1 s, about 1% of a core.
 """
 
 from __future__ import annotations
