@@ -129,7 +129,8 @@ class DecodeOverlap:
                and len(r.state.output_token_ids) + sampled + at[i] - r.end + r.num_draft + 1
                < (r.state.sampling_params.max_tokens or 1 << 62)]
         inside = [i for i in idx if at[i] < len(rows[i].block_ids) * bs]
-        cross = next((i for i in idx if i not in inside), None) if crossing_supported(runner) else None
+        cross = next((i for i in idx if i not in inside), None)
+        cross = cross if cross is not None and crossing_supported(runner) else None
         idx = sorted(inside + ([] if cross is None else [cross]))
         if not idx or len(idx) * (max(at[i] for i in idx) + 1) > runner.read_limit():
             return  # (one batch only: past the read limit the next step splits its rows itself)
@@ -167,7 +168,7 @@ class DecodeOverlap:
         if q is None:
             return decode, None
         bs = runner.pool.block_size
-        rest = []
+        rest, hit = [], []  # hit: (row, its row in the queued logits)
         for i in decode:
             r = rows[i]
             got = q.rows.get(r.state.req_id)
@@ -175,14 +176,16 @@ class DecodeOverlap:
             if got is not None and got[0] == r.start and got[1] == r.token_ids[0] \
                     and same_blocks(r, got[2], r.start // bs + (not crossed)) \
                     and (not crossed or _land(runner.pool, r, q.crossing_kv)):
-                last[i] = q.logits[got[3] : got[3] + 1]
+                hit.append((i, got[3]))
             else:
                 rest.append(i)
-        self.hits += len(decode) - len(rest)
-        self.misses += len(q.rows) - (len(decode) - len(rest))
-        whole = not rest and len(decode) == len(last) == len(q.rows) \
-            and all(q.rows[r.state.req_id][3] == i for i, r in enumerate(rows))
-        return rest, q.logits if whole else None
+        self.hits += len(hit)
+        self.misses += len(q.rows) - len(hit)
+        if len(hit) == len(last) == len(q.rows) and all(i == j for i, j in hit):
+            return rest, q.logits
+        for i, j in hit:
+            last[i] = q.logits[j : j + 1]
+        return rest, None
 
 
 def _land(pool: KVPool, row: Row, kv: Sequence[mx.array]) -> bool:

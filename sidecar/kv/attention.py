@@ -28,7 +28,6 @@ shipped (no Metal machine here to verify one against this path).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Sequence
 
 import mlx.core as mx
@@ -42,16 +41,19 @@ class SlotPlan:
     length: int  # K
     start: int | None  # one row, one run: its first slot (a slice)
     slots: mx.array | None  # otherwise: [B, K] slots scattered or gathered
-    _index: dict = field(default_factory=dict, compare=False, repr=False)  # (H, S) -> [B, H, K]
+    _index: dict = field(default_factory=dict, compare=False, repr=False)  # "start" -> [1]; (H, S) -> [B, H, K]
 
     @property
     def in_place(self) -> bool:
         return self.start is not None
 
-    @cached_property
+    @property
     def start_index(self) -> mx.array:
         """[1] the first slot of a run (made once per plan)."""
-        return mx.array([self.start], dtype=mx.int32)
+        idx = self._index.get("start")
+        if idx is None:
+            idx = self._index["start"] = mx.array([self.start], dtype=mx.int32)
+        return idx
 
     def flat_index(self, H: int, S: int) -> mx.array:
         """[B, H, K]: the rows' slots in a pool seen as `[H * S, D]` (made once per pool shape)."""

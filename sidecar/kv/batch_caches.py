@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from sidecar.kv.pool import BatchLayout, KVPool, PagedCache
 from sidecar.kv.quant import QuantizedPagedCache
@@ -75,8 +76,6 @@ def build_caches(mc: ModelCaches, pool: KVPool, group_of: Sequence[int], rows: S
                  ) -> tuple[list[Any], Callable[[], None]]:
     """(cache list, store): `store()` after the forward writes the rows' new recurrent states back.
     `build` makes each layout."""
-    from mlx_lm.models.cache import CacheList
-
     ngroups = max(group_of) + 1
     tables = [r.tables(ngroups) for r in rows]
     starts = [r.start for r in rows]
