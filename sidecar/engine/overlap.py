@@ -162,7 +162,8 @@ class DecodeOverlap:
 
     def take(self, runner: Any, rows: Sequence[Row], decode: list[int], last: list) -> tuple[list[int], mx.array | None]:
         """Fill `last` for the decode rows the queued forward computed; returns the rest, and the
-        queued logits when they are exactly all of `last` in order (one array, no slice per row)."""
+        queued logits when they are exactly all of `last` in order (one array: `last` is then left
+        unfilled, no slice per row)."""
         self.flush()
         q, self.queued = self.queued, None
         if q is None:

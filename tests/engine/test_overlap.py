@@ -132,8 +132,10 @@ def test_only_an_exact_match_takes_the_queued_logits(make_worker) -> None:
     # Every row taken, each at its own index: the queued logits are the step's, as one array.
     ov = overlap.DecodeOverlap()
     ov.queued = overlap.Queued({"a": (3, 9, overlap.tables(row), 0)}, logits[1:2])
-    rest, whole = ov.take(w.runner, [row], [0], [None])
+    last = [None]
+    rest, whole = ov.take(w.runner, [row], [0], last)
     assert rest == [] and whole is not None and whole.tolist() == logits[1:2].tolist()
+    assert last == [None]  # (no slice made per row for a step that takes the array whole)
 
 
 def test_a_finished_row_and_a_new_pool_drop_the_queued_forward(make_worker, oracle_model) -> None:
