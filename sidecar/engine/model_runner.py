@@ -267,16 +267,15 @@ class ModelRunner:
         prompt_lp: dict[int, tuple[mx.array, list[int]]] = {}
         rows, tails = prefill_split.forward_heads(self, rows)  # mlx-lm's: a sampling chunk's head, then its last token
         decode, prefill = decode + tails, [i for i in prefill if i not in set(tails)]
-        batches = step_batches(rows, decode, prefill, self.caches)
         limit = self.read_limit()
+        groups = [g for group in step_batches(rows, decode, prefill, self.caches) for g in read_bounded(rows, group, limit) if g]
         stores: list = []  # recurrent states are written back once every batch of the step is built
-        runs = [(group, self.forward([rows[i] for i in group], group, last, prompt_lp, stores=stores))
-                for parts in [read_bounded(rows, group, limit) for group in batches]
-                for group in parts if group]  # (one part at a time)
+        whole = len(groups) == 1 and groups[0] == list(range(len(last)))  # one batch: its array, no slice per row
+        runs = [self.forward([rows[i] for i in g], g, None if whole else last, prompt_lp, stores=stores) for g in groups]
         for store in stores:
             store()
-        if len(runs) == 1 and runs[0][0] == list(range(len(last))):  # one batch: its array, no slice per row
-            return runs[0][1], prompt_lp
+        if whole:
+            return runs[0], prompt_lp
         return (last[0] if len(last) == 1 else mx.concatenate(last, axis=0)), prompt_lp  # type: ignore[arg-type]
 
     def _finish(self, rows: list[Row], logits: mx.array | None, prompt_lp: dict, grammar: GrammarMask | None = None,
@@ -328,14 +327,14 @@ class ModelRunner:
                                      self.spec.accepted_tokens + verified.num_accepted, self.spec.steps_with_drafts + 1)
         return out
 
-    def forward(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
+    def forward(self, rows: list[Row], where: list[int], last: list | None, prompt_lp: dict,
                 stores: list | None = None, ids: mx.array | None = None) -> mx.array:
-        """One padded batch of `rows` through the paged cache, lazy: fills `last[where[b]]` with row
-        b's logits [1 + num_draft, V] (its last position, and its drafts') and `prompt_lp[where[b]]`
-        with its prompt-logprob span (logits, targets). Recurrent states are stored now, or, with
-        `stores`, by the callable appended to it (once every batch of the step is built). `ids`:
-        the rows' token ids [B, L] when not their `token_ids` (lazy: a step's sampled tokens).
-        Returns the rows' `last` logits as one array."""
+        """One padded batch of `rows` through the paged cache, lazy: fills `last[where[b]]` (None: no
+        slice per row) with row b's logits [1 + num_draft, V] (its last position, and its drafts')
+        and `prompt_lp[where[b]]` with its prompt-logprob span (logits, targets). Recurrent states
+        are stored now, or, with `stores`, by the callable appended to it (once every batch of the
+        step is built). `ids`: the rows' token ids [B, L] when not their `token_ids` (lazy: a
+        step's sampled tokens). Returns the rows' last logits (and drafts') as one array."""
         self._settle()
         if self.batch_guard is None:
             return self._batch(rows, where, last, prompt_lp, stores, ids)
@@ -353,7 +352,7 @@ class ModelRunner:
             mx.eval(self._built, self.pool.arrays())  # type: ignore[union-attr]
         self._built = []
 
-    def _batch(self, rows: list[Row], where: list[int], last: list, prompt_lp: dict,
+    def _batch(self, rows: list[Row], where: list[int], last: list | None, prompt_lp: dict,
                stores: list | None, ids: mx.array | None) -> mx.array:
         pool = self.pool
         assert pool is not None
@@ -386,11 +385,12 @@ class ModelRunner:
             self.lora.rows.groups = []
         # Kept in the model's dtype: greedy ranks them as mlx-lm does (sampler.greedy_tokens); the
         # sampler and logprobs work in float32 from them.
-        for b, w in enumerate(where):
-            last[w] = logits[sel.last_at[b] : sel.last_at[b] + 1 + rows[b].num_draft]
+        mine = [logits[a : a + 1 + r.num_draft] for a, r in zip(sel.last_at, rows)] if last or sel.spans else []
+        for w, x in zip(where, mine if last is not None else ()):
+            last[w] = x
         for b, first, count, targets in sel.spans:
             prompt_lp[where[b]] = (logits[first : first + count], targets)
-        return logits if not sel.spans else mx.concatenate([last[w] for w in where], axis=0)
+        return logits if not sel.spans else mx.concatenate(mine, axis=0)
 
     def _propose(self, rows: list[Row], res: SampleResult, verified: Verified | None) -> set[str]:
         """Hand this step's tokens to the proposer (drafts for the next step); returns the ids it drafted for."""

@@ -141,7 +141,7 @@ class DecodeOverlap:
         ids = (tokens if len(idx) == len(rows) else tokens[mx.array(idx)]).reshape(-1, 1) if lazy else None
         nxt = [Row(rows[i].state, at[i], [0 if lazy else int(tokens[i])], [*rows[i].block_ids, pool.scratch]
                    if i == cross else rows[i].block_ids, True, other_block_ids=rows[i].other_block_ids) for i in idx]
-        logits = runner.forward(nxt, list(range(len(nxt))), [None] * len(nxt), {}, ids=ids)
+        logits = runner.forward(nxt, list(range(len(nxt))), None, {}, ids=ids)
         kv: list[mx.array] = []
         if cross is not None:  # arrays of their own: landing them is an in-place slice update
             src = mx.array([pool.scratch * bs], dtype=mx.int32)

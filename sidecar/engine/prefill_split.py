@@ -47,7 +47,7 @@ def forward_heads(runner: Any, rows: Sequence[Row]) -> tuple[list[Row], list[int
     rows, heads, tails = split(rows)
     stores: list = []
     for group in filter(None, step_batches(heads, [], list(range(len(heads))), runner.caches)):
-        runner.forward([heads[i] for i in group], group, [None] * len(heads), {}, stores=stores)
+        runner.forward([heads[i] for i in group], group, None, {}, stores=stores)
     for store in stores:
         store()
     return rows, tails

@@ -215,7 +215,7 @@ class DraftModelProposer(Proposer):
         probs: list[list[np.ndarray]] = [[] for _ in rows]
         for step in range(k_max):
             live = [i for i, (_, _, k) in enumerate(meta) if step < k]
-            logits = dr.forward([rows[i] for i in live], list(range(len(live))), [None] * len(live), {})
+            logits = dr.forward([rows[i] for i in live], list(range(len(live))), None, {})
             greedy = [meta[i][0].sampling_params.greedy for i in live]
             if all(greedy):
                 picks, ps = mx.argmax(logits, axis=-1).tolist(), None
