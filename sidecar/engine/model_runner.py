@@ -385,7 +385,7 @@ class ModelRunner:
             self.lora.rows.groups = []
         # Kept in the model's dtype: greedy ranks them as mlx-lm does (sampler.greedy_tokens); the
         # sampler and logprobs work in float32 from them.
-        mine = [logits[a : a + 1 + r.num_draft] for a, r in zip(sel.last_at, rows)] if last or sel.spans else []
+        mine = [logits[a : a + 1 + r.num_draft] for a, r in zip(sel.last_at, rows)] if last is not None or sel.spans else []
         for w, x in zip(where, mine if last is not None else ()):
             last[w] = x
         for b, first, count, targets in sel.spans:
